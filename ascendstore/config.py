@@ -138,8 +138,8 @@ def _read_file(path: str) -> dict[str, Any]:
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(f"config_file {path!r} does not exist")
-    text = p.read_text()
     try:
+        text = p.read_text(encoding="utf-8")
         if p.suffix in {".toml"}:
             data = tomllib.loads(text)
         elif p.suffix in {".yaml", ".yml"}:

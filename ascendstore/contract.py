@@ -13,7 +13,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -98,6 +98,24 @@ class Health:
         return self.status is Status.OK
 
 
+@runtime_checkable
+class BackendTestHooks(Protocol):
+    """Optional fault injection for the conformance suite (never used in serving).
+
+    A backend exposes it through ``Backend.test_hooks()``; the suite skips the
+    timeout and corruption tests, naming the missing hook, when it is absent.
+    A backend may implement only some hooks (leave the others out).
+    """
+
+    def delay(self, seconds: float) -> None:
+        """Make every later data call (exists/put/get/remove) of this client take
+        ``seconds`` as if the store were slow; 0 turns it off. Calls must still
+        honour their ``timeout_s`` and report TIMEOUT."""
+
+    def corrupt(self, key: str) -> bool:
+        """Damage the stored bytes of ``key`` (False if absent)."""
+
+
 class BackendSetupError(RuntimeError):
     """The backend could not be created. The message says what to fix."""
 
@@ -138,6 +156,8 @@ class Backend(ABC):
     within ``capabilities.max_key_bytes``. For ``put`` the object's bytes are
     the concatenation of its regions; ``get`` scatters the object into the
     regions, whose total length must equal the object's size (else INVALID).
+    A key over ``max_key_bytes`` or an object over ``max_object_bytes`` is
+    INVALID (not NO_SPACE, which means "full for now").
     """
 
     #: pydantic model validating ``backend_config``.
@@ -186,8 +206,13 @@ class Backend(ABC):
         raise NotImplementedError
 
     def stats(self) -> Mapping[str, Any]:
-        """Backend-specific counters (capacity, used bytes, objects...)."""
+        """Backend-specific counters. By convention ``capacity_bytes`` (and
+        ``disk_capacity_bytes`` for a second tier), ``used_bytes``, ``objects``."""
         return {}
+
+    def test_hooks(self) -> BackendTestHooks | None:
+        """Fault injection for the conformance suite; None when not offered."""
+        return None
 
     @abstractmethod
     def health(self, timeout_s: float) -> Health: ...

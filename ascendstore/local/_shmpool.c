@@ -1,5 +1,2532 @@
-/* Placeholder: the shared-memory pool core is being written. */
+/*
+ * _shmpool: the C core of AscendStore's embedded `local` backend.
+ *
+ * One POSIX shared-memory segment per pool, mapped by every process of the node:
+ *
+ *   header | page "next" links | entry table | hash buckets | process slots | arena
+ *
+ * The arena is cut into fixed-size pages; an object is a chain of pages, so
+ * there is no fragmentation and capacity is exact. A robust, process-shared
+ * mutex guards the metadata (never the data copies):
+ *
+ *   put:  lock -> reserve entry + pages (evicting LRU, maybe spilling to disk)
+ *         -> unlock -> copy in (+checksum) -> lock -> publish (replace) -> unlock
+ *   get:  lock -> find, record version + page list -> unlock -> copy out
+ *         -> lock -> check the version is unchanged -> unlock
+ *
+ * Readers take no pins: every change that frees an object's pages gives the
+ * entry a new version, so a reader whose pages were recycled under it sees
+ * the version change and retries (or reports a miss). Nothing a dead reader
+ * leaves behind can pin memory. A writer's reservation names its process
+ * slot; reservations of dead processes are reclaimed by a sweep. A process
+ * that dies holding the lock makes the next locker get EOWNERDEAD; it then
+ * rebuilds every derived structure (free lists, hash chains, LRU) from the
+ * entry table, which is the single source of truth.
+ *
+ * Optional disk tier: objects evicted from DRAM are appended to bounded
+ * segment files (oldest segment dropped when full) and promoted back to DRAM
+ * on a hit. Spills happen under the pool lock (simple; see docs).
+ */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "_shmpool", NULL, -1, NULL};
-PyMODINIT_FUNC PyInit__shmpool(void) { return PyModule_Create(&mod); }
+
+#include <errno.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <stddef.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ------------------------------------------------------------------ constants */
+
+#define POOL_MAGIC 0x31305453414c5341ULL /* "ASLAST01" */
+#define POOL_LAYOUT 4u
+#define NONE32 0xffffffffu
+#define MAX_KEY 256
+#define MAX_PROCS 512
+#define MAX_SEGS 256
+#define MAX_PATH_LEN 512
+
+enum { ST_OK = 0, ST_NOT_FOUND, ST_NO_SPACE, ST_TIMEOUT, ST_UNAVAILABLE, ST_CORRUPT, ST_INVALID };
+/* SPILLING: a LIVE object being written to disk by its owner outside the lock
+ * (still readable, in the hash, not in the LRU). SPILL_DEAD: it was removed
+ * meanwhile; the owner frees its pages when the write is done. */
+enum { E_FREE = 0, E_RESERVED = 1, E_LIVE = 2, E_DISK = 3, E_SPILLING = 4, E_SPILL_DEAD = 5 };
+#define ST_PENDING 100
+
+/* ------------------------------------------------------------------ shared layout */
+
+typedef struct {
+    uint64_t version;   /* unique per (object, residency); 0 when free */
+    uint64_t hash;
+    uint64_t size;
+    uint64_t tick;      /* last access, to rebuild LRU order after a crash */
+    uint64_t checksum;
+    uint64_t disk_off;
+    uint32_t disk_seg;
+    uint32_t hnext;     /* hash chain, or free-entry list */
+    uint32_t prev, next; /* DRAM LRU list (LIVE) or disk list (DISK) */
+    uint32_t first_page;
+    uint32_t npages;
+    uint32_t state;
+    int32_t owner;      /* process slot of a RESERVED entry */
+    uint32_t keylen;
+    uint32_t has_sum;
+    char key[MAX_KEY];
+} entry_t;
+
+typedef struct {
+    int32_t pid;
+    int32_t in_use;
+    uint64_t starttime;
+} slot_t;
+
+typedef struct {
+    uint64_t magic;
+    uint32_t layout;
+    _Atomic uint32_t ready;
+    uint64_t total_size;
+    uint64_t capacity;
+    uint64_t page_size;
+    uint32_t n_pages, max_keys, n_buckets, checksum;
+    uint64_t off_next, off_entries, off_buckets, off_slots, off_arena;
+    uint64_t disk_capacity, disk_seg_size;
+    char disk_path[MAX_PATH_LEN];
+    char name[128];
+    _Atomic uint32_t destroyed;
+    _Atomic int32_t debug_holder;
+    pthread_mutex_t lock;
+    /* everything below is guarded by lock */
+    uint32_t free_page_head, free_pages;
+    uint32_t free_entry_head, entries_used;
+    uint32_t lru_head, lru_tail;   /* MRU .. LRU of LIVE entries */
+    uint32_t disk_head, disk_tail; /* newest .. oldest DISK entries */
+    uint32_t n_live, n_disk, reserved_pages;
+    uint32_t entries_hwm; /* entries at or above this index were never used (untouched memory) */
+    uint64_t next_version, tick;
+    uint64_t live_bytes;
+    uint64_t disk_first_seg, disk_cur_seg, disk_cur_off, disk_file_bytes, disk_live_bytes;
+    uint64_t seg_len[MAX_SEGS];
+    /* counters */
+    uint64_t c_hits, c_misses, c_puts, c_evictions, c_spills, c_disk_hits, c_promotions, c_disk_drops,
+        c_corrupt, c_no_space, c_lock_recoveries, c_dead_reclaimed, c_retries;
+} hdr_t;
+
+/* ------------------------------------------------------------------ process-local handle */
+
+typedef struct {
+    uint32_t idx;
+    uint32_t spill; /* 0: a put's reservation; 1: a spill victim */
+    uint64_t token;
+} orphan_t;
+
+typedef struct {
+    PyObject_HEAD
+    hdr_t *h;
+    uint8_t *base;
+    size_t map_size;
+    char shm_name[160];
+    int slot;
+    pid_t pid;
+    int unlink_on_last_close;
+    _Atomic double delay_s;       /* test hook: every data call of this handle acts slow */
+    _Atomic double spill_stall_s; /* test hook: pause between spill writes and finalizing them */
+    _Atomic int busy;
+    _Atomic int closed;
+    pthread_mutex_t local; /* guards the fields below (threads of this process) */
+    int seg_fd[MAX_SEGS];
+    uint64_t seg_id[MAX_SEGS];
+    orphan_t *orphans;
+    int n_orphans, cap_orphans;
+} Pool;
+
+static PyObject *status_table = NULL; /* tuple of Status members, indexed by code */
+
+#define NEXT(p) ((uint32_t *)((p)->base + (p)->h->off_next))
+#define ENT(p) ((entry_t *)((p)->base + (p)->h->off_entries))
+#define BUCKETS(p) ((uint32_t *)((p)->base + (p)->h->off_buckets))
+#define SLOTS(p) ((slot_t *)((p)->base + (p)->h->off_slots))
+#define ARENA(p) ((p)->base + (p)->h->off_arena)
+
+/* ------------------------------------------------------------------ hashing */
+
+static uint64_t key_hash(const char *k, size_t n) {
+    uint64_t h = 0xcbf29ce484222325ULL; /* FNV-1a, then a final mix */
+    for (size_t i = 0; i < n; i++) h = (h ^ (uint8_t)k[i]) * 0x100000001b3ULL;
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdULL;
+    h ^= h >> 33;
+    return h;
+}
+
+/* Streaming object checksum (independent of how the bytes are split into
+ * calls). 64-byte stripes feed 8 64-bit lanes: lane += lo32(d^k) * hi32(d^k)
+ * + neighbour word, with a per-stripe key; every 16 stripes the lanes are
+ * scrambled so stripe order matters. Same math in AVX2 and scalar form. */
+#define CK_LANES 8
+#define CK_BLOCK 16
+#define CKP1 0x9E3779B185EBCA87ULL
+#define CKP2 0xC2B2AE3D27D4EB4FULL
+#define CKP3 0x165667B19E3779F9ULL
+#define CK_SCR_MUL 0x9E3779B1ULL
+typedef struct {
+    uint64_t acc[CK_LANES];
+    uint8_t buf[64];
+    size_t blen;
+    uint64_t total;
+    uint32_t stripe; /* stripes since the last scramble */
+} ck_t;
+
+static uint64_t ck_keys[CK_BLOCK][CK_LANES] __attribute__((aligned(32)));
+static uint64_t ck_scr[CK_LANES] __attribute__((aligned(32)));
+static int ck_have_avx2 = 0;
+
+static inline uint64_t rotl64(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+
+static uint64_t splitmix(uint64_t *s) {
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ULL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+static void ck_setup(void) {
+    uint64_t s = 0x4153434e44535452ULL;
+    for (int b = 0; b < CK_BLOCK; b++)
+        for (int i = 0; i < CK_LANES; i++) ck_keys[b][i] = splitmix(&s);
+    for (int i = 0; i < CK_LANES; i++) ck_scr[i] = splitmix(&s);
+    __builtin_cpu_init();
+    ck_have_avx2 = __builtin_cpu_supports("avx2");
+}
+
+static void ck_init(ck_t *c) {
+    for (int i = 0; i < CK_LANES; i++) c->acc[i] = ck_scr[i] ^ (CKP1 * (i + 1));
+    c->blen = 0;
+    c->total = 0;
+    c->stripe = 0;
+}
+
+static inline void ck_scramble_scalar(uint64_t *acc) {
+    for (int i = 0; i < CK_LANES; i++) {
+        uint64_t a = acc[i];
+        a ^= a >> 47;
+        a ^= ck_scr[i];
+        acc[i] = a * CK_SCR_MUL;
+    }
+}
+
+static void ck_stripes_scalar(ck_t *c, const uint8_t *p, size_t n) {
+    for (size_t s = 0; s < n; s++, p += 64) {
+        uint64_t d[CK_LANES];
+        memcpy(d, p, 64);
+        const uint64_t *k = ck_keys[c->stripe];
+        for (int i = 0; i < CK_LANES; i++) {
+            uint64_t x = d[i] ^ k[i];
+            c->acc[i] += (x & 0xffffffffULL) * (x >> 32) + d[i ^ 1];
+        }
+        if (++c->stripe == CK_BLOCK) {
+            ck_scramble_scalar(c->acc);
+            c->stripe = 0;
+        }
+    }
+}
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+__attribute__((target("avx2"))) static void ck_stripes_avx2(ck_t *c, const uint8_t *p, size_t n) {
+    __m256i a0 = _mm256_loadu_si256((const __m256i *)&c->acc[0]);
+    __m256i a1 = _mm256_loadu_si256((const __m256i *)&c->acc[4]);
+    const __m256i scr0 = _mm256_load_si256((const __m256i *)&ck_scr[0]);
+    const __m256i scr1 = _mm256_load_si256((const __m256i *)&ck_scr[4]);
+    const __m256i mul = _mm256_set1_epi64x((long long)CK_SCR_MUL);
+    uint32_t stripe = c->stripe;
+    for (size_t s = 0; s < n; s++, p += 64) {
+        __m256i d0 = _mm256_loadu_si256((const __m256i *)p);
+        __m256i d1 = _mm256_loadu_si256((const __m256i *)(p + 32));
+        __m256i x0 = _mm256_xor_si256(d0, _mm256_load_si256((const __m256i *)&ck_keys[stripe][0]));
+        __m256i x1 = _mm256_xor_si256(d1, _mm256_load_si256((const __m256i *)&ck_keys[stripe][4]));
+        __m256i m0 = _mm256_mul_epu32(x0, _mm256_srli_epi64(x0, 32));
+        __m256i m1 = _mm256_mul_epu32(x1, _mm256_srli_epi64(x1, 32));
+        a0 = _mm256_add_epi64(a0, _mm256_add_epi64(m0, _mm256_shuffle_epi32(d0, _MM_SHUFFLE(1, 0, 3, 2))));
+        a1 = _mm256_add_epi64(a1, _mm256_add_epi64(m1, _mm256_shuffle_epi32(d1, _MM_SHUFFLE(1, 0, 3, 2))));
+        if (++stripe == CK_BLOCK) {
+            stripe = 0;
+            a0 = _mm256_xor_si256(_mm256_xor_si256(a0, _mm256_srli_epi64(a0, 47)), scr0);
+            a1 = _mm256_xor_si256(_mm256_xor_si256(a1, _mm256_srli_epi64(a1, 47)), scr1);
+            /* 64-bit multiply by a 32-bit constant: lo*m + (hi*m << 32) */
+            a0 = _mm256_add_epi64(_mm256_mul_epu32(a0, mul),
+                                  _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a0, 32), mul), 32));
+            a1 = _mm256_add_epi64(_mm256_mul_epu32(a1, mul),
+                                  _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a1, 32), mul), 32));
+        }
+    }
+    _mm256_storeu_si256((__m256i *)&c->acc[0], a0);
+    _mm256_storeu_si256((__m256i *)&c->acc[4], a1);
+    c->stripe = stripe;
+}
+
+/* Copy n 64-byte stripes from src to dst and checksum them in the same pass:
+ * the hash work hides under the memory traffic of the copy. */
+__attribute__((target("avx2"))) static void ck_copy_avx2(ck_t *c, uint8_t *dst, const uint8_t *p, size_t n) {
+    __m256i a0 = _mm256_loadu_si256((const __m256i *)&c->acc[0]);
+    __m256i a1 = _mm256_loadu_si256((const __m256i *)&c->acc[4]);
+    const __m256i scr0 = _mm256_load_si256((const __m256i *)&ck_scr[0]);
+    const __m256i scr1 = _mm256_load_si256((const __m256i *)&ck_scr[4]);
+    const __m256i mul = _mm256_set1_epi64x((long long)CK_SCR_MUL);
+    uint32_t stripe = c->stripe;
+    for (size_t s = 0; s < n; s++, p += 64, dst += 64) {
+        __m256i d0 = _mm256_loadu_si256((const __m256i *)p);
+        __m256i d1 = _mm256_loadu_si256((const __m256i *)(p + 32));
+        _mm256_storeu_si256((__m256i *)dst, d0);
+        _mm256_storeu_si256((__m256i *)(dst + 32), d1);
+        __m256i x0 = _mm256_xor_si256(d0, _mm256_load_si256((const __m256i *)&ck_keys[stripe][0]));
+        __m256i x1 = _mm256_xor_si256(d1, _mm256_load_si256((const __m256i *)&ck_keys[stripe][4]));
+        __m256i m0 = _mm256_mul_epu32(x0, _mm256_srli_epi64(x0, 32));
+        __m256i m1 = _mm256_mul_epu32(x1, _mm256_srli_epi64(x1, 32));
+        a0 = _mm256_add_epi64(a0, _mm256_add_epi64(m0, _mm256_shuffle_epi32(d0, _MM_SHUFFLE(1, 0, 3, 2))));
+        a1 = _mm256_add_epi64(a1, _mm256_add_epi64(m1, _mm256_shuffle_epi32(d1, _MM_SHUFFLE(1, 0, 3, 2))));
+        if (++stripe == CK_BLOCK) {
+            stripe = 0;
+            a0 = _mm256_xor_si256(_mm256_xor_si256(a0, _mm256_srli_epi64(a0, 47)), scr0);
+            a1 = _mm256_xor_si256(_mm256_xor_si256(a1, _mm256_srli_epi64(a1, 47)), scr1);
+            a0 = _mm256_add_epi64(_mm256_mul_epu32(a0, mul),
+                                  _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a0, 32), mul), 32));
+            a1 = _mm256_add_epi64(_mm256_mul_epu32(a1, mul),
+                                  _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a1, 32), mul), 32));
+        }
+    }
+    _mm256_storeu_si256((__m256i *)&c->acc[0], a0);
+    _mm256_storeu_si256((__m256i *)&c->acc[4], a1);
+    c->stripe = stripe;
+}
+#endif
+
+static inline void ck_stripes(ck_t *c, const uint8_t *p, size_t n) {
+#if defined(__x86_64__)
+    if (ck_have_avx2) return ck_stripes_avx2(c, p, n);
+#endif
+    ck_stripes_scalar(c, p, n);
+}
+
+static void ck_update(ck_t *c, const uint8_t *p, size_t n) {
+    c->total += n;
+    if (c->blen) {
+        size_t take = 64 - c->blen < n ? 64 - c->blen : n;
+        memcpy(c->buf + c->blen, p, take);
+        c->blen += take;
+        p += take;
+        n -= take;
+        if (c->blen < 64) return;
+        ck_stripes(c, c->buf, 1);
+        c->blen = 0;
+    }
+    if (n >= 64) {
+        ck_stripes(c, p, n / 64);
+        p += n / 64 * 64;
+        n %= 64;
+    }
+    if (n) {
+        memcpy(c->buf, p, n);
+        c->blen = n;
+    }
+}
+
+/* memcpy(dst, src, n) that also feeds the n bytes to the checksum c (if any). */
+static void copy_ck(ck_t *c, uint8_t *dst, const uint8_t *src, size_t n) {
+    if (!c) {
+        memcpy(dst, src, n);
+        return;
+    }
+    if (c->blen) {
+        size_t t = 64 - c->blen < n ? 64 - c->blen : n;
+        memcpy(dst, src, t);
+        ck_update(c, src, t);
+        dst += t;
+        src += t;
+        n -= t;
+    }
+    size_t ns = n / 64;
+    if (ns) {
+#if defined(__x86_64__)
+        if (ck_have_avx2) ck_copy_avx2(c, dst, src, ns);
+        else
+#endif
+        {
+            memcpy(dst, src, ns * 64);
+            ck_stripes(c, src, ns);
+        }
+        c->total += ns * 64;
+        dst += ns * 64;
+        src += ns * 64;
+        n -= ns * 64;
+    }
+    if (n) {
+        memcpy(dst, src, n);
+        ck_update(c, src, n);
+    }
+}
+
+static uint64_t ck_final(ck_t *c) {
+    if (c->blen) { /* zero-padded last stripe; the length below tells padding from data */
+        memset(c->buf + c->blen, 0, 64 - c->blen);
+        ck_stripes(c, c->buf, 1);
+        c->blen = 0;
+    }
+    uint64_t h = c->total * CKP1;
+    for (int i = 0; i < CK_LANES; i++) {
+        h ^= rotl64(c->acc[i] * CKP2, 31) * CKP1;
+        h = rotl64(h, 27) * CKP1 + CKP3;
+    }
+    h ^= h >> 33;
+    h *= CKP2;
+    h ^= h >> 29;
+    h *= CKP3;
+    h ^= h >> 32;
+    return h;
+}
+
+/* ------------------------------------------------------------------ time, process liveness */
+
+static double now_mono(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Start time (clock ticks since boot) of pid, 0 if unknown; *zombie set when it has exited. */
+static uint64_t proc_starttime(pid_t pid, int *zombie) {
+    char path[64], buf[1024];
+    if (zombie) *zombie = 0;
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    if (!p || p[1] != ' ') return 0;
+    if (zombie) *zombie = p[2] == 'Z' || p[2] == 'X';
+    /* after ")": field 3 is the state; starttime is field 22 */
+    int field = 2;
+    for (; *p && field < 22; p++)
+        if (*p == ' ') field++;
+    return strtoull(p, NULL, 10);
+}
+
+static int slot_alive(const slot_t *s) {
+    if (!s->in_use) return 0;
+    if (kill(s->pid, 0) != 0 && errno == ESRCH) return 0;
+    int zombie = 0;
+    uint64_t st = proc_starttime(s->pid, &zombie);
+    if (zombie) return 0;
+    if (st && s->starttime && st != s->starttime) return 0; /* pid reused */
+    return 1;
+}
+
+/* ------------------------------------------------------------------ metadata helpers (lock held) */
+
+static void lru_unlink(Pool *p, uint32_t i, uint32_t *head, uint32_t *tail) {
+    entry_t *E = ENT(p);
+    entry_t *e = &E[i];
+    if (e->prev != NONE32) E[e->prev].next = e->next; else *head = e->next;
+    if (e->next != NONE32) E[e->next].prev = e->prev; else *tail = e->prev;
+    e->prev = e->next = NONE32;
+}
+
+static void lru_push_head(Pool *p, uint32_t i, uint32_t *head, uint32_t *tail) {
+    entry_t *E = ENT(p);
+    E[i].prev = NONE32;
+    E[i].next = *head;
+    if (*head != NONE32) E[*head].prev = i; else *tail = i;
+    *head = i;
+}
+
+static void lru_push_tail(Pool *p, uint32_t i, uint32_t *head, uint32_t *tail) {
+    entry_t *E = ENT(p);
+    E[i].next = NONE32;
+    E[i].prev = *tail;
+    if (*tail != NONE32) E[*tail].next = i; else *head = i;
+    *tail = i;
+}
+
+static void touch(Pool *p, uint32_t i) {
+    hdr_t *h = p->h;
+    entry_t *e = &ENT(p)[i];
+    e->tick = ++h->tick;
+    if (e->state == E_LIVE && h->lru_head != i) {
+        lru_unlink(p, i, &h->lru_head, &h->lru_tail);
+        lru_push_head(p, i, &h->lru_head, &h->lru_tail);
+    }
+}
+
+static uint32_t find(Pool *p, const char *key, uint32_t klen, uint64_t hash) {
+    entry_t *E = ENT(p);
+    uint32_t i = BUCKETS(p)[hash & (p->h->n_buckets - 1)];
+    while (i != NONE32) {
+        entry_t *e = &E[i];
+        if (e->hash == hash && e->keylen == klen && memcmp(e->key, key, klen) == 0) return i;
+        i = e->hnext;
+    }
+    return NONE32;
+}
+
+static void hash_insert(Pool *p, uint32_t i) {
+    entry_t *e = &ENT(p)[i];
+    uint32_t *b = &BUCKETS(p)[e->hash & (p->h->n_buckets - 1)];
+    e->hnext = *b;
+    *b = i;
+}
+
+static void hash_unlink(Pool *p, uint32_t i) {
+    entry_t *E = ENT(p);
+    uint32_t *link = &BUCKETS(p)[E[i].hash & (p->h->n_buckets - 1)];
+    while (*link != NONE32) {
+        if (*link == i) {
+            *link = E[i].hnext;
+            E[i].hnext = NONE32;
+            return;
+        }
+        link = &E[*link].hnext;
+    }
+}
+
+/* Return a chain of pages to the free list, keeping their order so the next
+ * allocation gets the same contiguous run back. */
+static void pages_free(Pool *p, uint32_t first, uint32_t n) {
+    if (!n || first == NONE32) return;
+    uint32_t *nx = NEXT(p);
+    uint32_t last = first;
+    for (uint32_t k = 1; k < n; k++) last = nx[last];
+    nx[last] = p->h->free_page_head;
+    p->h->free_page_head = first;
+    p->h->free_pages += n;
+}
+
+static uint32_t pages_alloc(Pool *p, uint32_t n) {
+    if (!n) return NONE32;
+    uint32_t *nx = NEXT(p);
+    uint32_t first = p->h->free_page_head, last = first;
+    for (uint32_t k = 1; k < n; k++) last = nx[last];
+    p->h->free_page_head = nx[last];
+    nx[last] = NONE32;
+    p->h->free_pages -= n;
+    return first;
+}
+
+static void entry_release(Pool *p, uint32_t i) {
+    entry_t *e = &ENT(p)[i];
+    memset(e, 0, offsetof(entry_t, key));
+    e->state = E_FREE;
+    e->prev = e->next = e->first_page = NONE32;
+    e->hnext = p->h->free_entry_head;
+    p->h->free_entry_head = i;
+    p->h->entries_used--;
+}
+
+/* Remove a published entry (LIVE, DISK or SPILLING) completely. */
+static void entry_remove(Pool *p, uint32_t i) {
+    hdr_t *h = p->h;
+    entry_t *e = &ENT(p)[i];
+    hash_unlink(p, i);
+    if (e->state == E_SPILLING) { /* its spiller frees the pages once its write is done */
+        h->n_live--;
+        h->live_bytes -= e->size;
+        e->state = E_SPILL_DEAD;
+        return;
+    }
+    if (e->state == E_LIVE) {
+        lru_unlink(p, i, &h->lru_head, &h->lru_tail);
+        pages_free(p, e->first_page, e->npages);
+        h->n_live--;
+        h->live_bytes -= e->size;
+    } else if (e->state == E_DISK) {
+        lru_unlink(p, i, &h->disk_head, &h->disk_tail);
+        h->n_disk--;
+        h->disk_live_bytes -= e->size;
+    }
+    entry_release(p, i);
+}
+
+static void reservation_drop(Pool *p, uint32_t i) {
+    entry_t *e = &ENT(p)[i];
+    pages_free(p, e->first_page, e->npages);
+    p->h->reserved_pages -= e->npages;
+    entry_release(p, i);
+}
+
+/* ------------------------------------------------------------------ disk tier (lock held unless noted) */
+
+static void seg_path(Pool *p, uint64_t seg, char *out, size_t n) {
+    snprintf(out, n, "%s/%s.%08llu.seg", p->h->disk_path, p->h->name, (unsigned long long)seg);
+}
+
+/* Process-local fd cache; caller holds p->local. Closes fds of dropped segments. */
+static int seg_fd_locked(Pool *p, uint64_t seg, int create) {
+    uint64_t first = p->h->disk_first_seg;
+    for (int k = 0; k < MAX_SEGS; k++)
+        if (p->seg_fd[k] >= 0 && p->seg_id[k] < first) {
+            close(p->seg_fd[k]);
+            p->seg_fd[k] = -1;
+        }
+    int k = (int)(seg % MAX_SEGS);
+    if (p->seg_fd[k] >= 0 && p->seg_id[k] == seg) return p->seg_fd[k];
+    if (p->seg_fd[k] >= 0) close(p->seg_fd[k]);
+    p->seg_fd[k] = -1;
+    char path[MAX_PATH_LEN + 200];
+    seg_path(p, seg, path, sizeof path);
+    int fd = open(path, O_RDWR | O_CLOEXEC | (create ? O_CREAT : 0), 0600);
+    if (fd < 0) return -1;
+    p->seg_fd[k] = fd;
+    p->seg_id[k] = seg;
+    return fd;
+}
+
+static void disk_drop_oldest_segment(Pool *p) {
+    hdr_t *h = p->h;
+    uint64_t seg = h->disk_first_seg;
+    entry_t *E = ENT(p);
+    while (h->disk_tail != NONE32 && E[h->disk_tail].disk_seg == (uint32_t)seg) {
+        entry_remove(p, h->disk_tail);
+        h->c_disk_drops++;
+    }
+    char path[MAX_PATH_LEN + 200];
+    seg_path(p, seg, path, sizeof path);
+    unlink(path);
+    h->disk_file_bytes -= h->seg_len[seg % MAX_SEGS];
+    h->seg_len[seg % MAX_SEGS] = 0;
+    if (seg == h->disk_cur_seg) {
+        h->disk_cur_seg++;
+        h->disk_cur_off = 0;
+    }
+    h->disk_first_seg++;
+}
+
+/* Reserve size bytes at the end of the disk log, dropping the oldest segments
+ * to stay within disk_capacity. Lock held. -1 if the object is too big. */
+static int disk_reserve(Pool *p, uint64_t size, uint64_t *seg, uint64_t *off) {
+    hdr_t *h = p->h;
+    if (size > h->disk_capacity / 2) return -1; /* a segment may exceed seg_size by one object */
+    if (h->disk_cur_off > 0 && h->disk_cur_off + size > h->disk_seg_size) {
+        h->disk_cur_seg++;
+        h->disk_cur_off = 0;
+        h->seg_len[h->disk_cur_seg % MAX_SEGS] = 0;
+    }
+    while (h->disk_file_bytes + size > h->disk_capacity && h->disk_first_seg <= h->disk_cur_seg)
+        disk_drop_oldest_segment(p);
+    while (h->disk_cur_seg - h->disk_first_seg >= MAX_SEGS - 1) disk_drop_oldest_segment(p);
+    *seg = h->disk_cur_seg;
+    *off = h->disk_cur_off;
+    h->disk_cur_off += size;
+    h->seg_len[*seg % MAX_SEGS] += size;
+    h->disk_file_bytes += size;
+    return 0;
+}
+
+/* Write an object's page chain at (seg, off). Needs no pool lock as long as
+ * the caller owns the pages. 0 on success. */
+static int disk_write_pages(Pool *p, uint32_t first_page, uint64_t size, uint64_t seg, uint64_t off) {
+    pthread_mutex_lock(&p->local);
+    int fd = seg_fd_locked(p, seg, 1);
+    if (fd >= 0) fd = dup(fd);
+    pthread_mutex_unlock(&p->local);
+    if (fd < 0) return -1;
+    int rc = 0;
+    uint32_t *nx = NEXT(p);
+    uint64_t P = p->h->page_size, left = size, pos = off;
+    struct iovec iov[64];
+    int niov = 0;
+    uint32_t pg = first_page;
+    /* contiguous page runs become one iovec; one syscall per 64 runs */
+    while (left && rc == 0) {
+        uint64_t len = left < P ? left : P;
+        uint8_t *src = ARENA(p) + (uint64_t)pg * P;
+        if (niov && (uint8_t *)iov[niov - 1].iov_base + iov[niov - 1].iov_len == src)
+            iov[niov - 1].iov_len += len;
+        else {
+            if (niov == 64) {
+                size_t tot = 0;
+                for (int k = 0; k < niov; k++) tot += iov[k].iov_len;
+                if (pwritev(fd, iov, niov, (off_t)pos) != (ssize_t)tot) rc = -1;
+                pos += tot;
+                niov = 0;
+            }
+            iov[niov].iov_base = src;
+            iov[niov].iov_len = len;
+            niov++;
+        }
+        left -= len;
+        pg = nx[pg];
+    }
+    if (rc == 0 && niov) {
+        size_t tot = 0;
+        for (int k = 0; k < niov; k++) tot += iov[k].iov_len;
+        if (pwritev(fd, iov, niov, (off_t)pos) != (ssize_t)tot) rc = -1;
+    }
+    close(fd);
+    return rc;
+}
+
+/* Write a LIVE entry to the disk tier while holding the lock (the fallback
+ * when spilling outside the lock did not free enough pages). 0 on success. */
+static int disk_spill(Pool *p, uint32_t i) {
+    entry_t *e = &ENT(p)[i];
+    uint64_t seg, off;
+    if (disk_reserve(p, e->size, &seg, &off) != 0) return -1;
+    if (disk_write_pages(p, e->first_page, e->size, seg, off) != 0) return -1;
+    e->disk_seg = (uint32_t)seg;
+    e->disk_off = off;
+    return 0;
+}
+
+/* A LIVE entry whose bytes are now on disk: free its pages, move it to the disk list. */
+static void entry_to_disk(Pool *p, uint32_t i) {
+    hdr_t *h = p->h;
+    entry_t *e = &ENT(p)[i];
+    pages_free(p, e->first_page, e->npages);
+    h->n_live--;
+    h->live_bytes -= e->size;
+    e->first_page = NONE32;
+    e->npages = 0;
+    e->state = E_DISK;
+    e->owner = -1;
+    e->version = ++h->next_version; /* readers of the old pages must look again */
+    lru_push_head(p, i, &h->disk_head, &h->disk_tail);
+    h->n_disk++;
+    h->disk_live_bytes += e->size;
+    h->c_spills++;
+}
+
+/* Evict the least recently used DRAM object (spilling it when the disk tier
+ * is on). Returns 0 when there was nothing to evict. */
+static int evict_one(Pool *p, int allow_spill) {
+    hdr_t *h = p->h;
+    uint32_t i = h->lru_tail;
+    if (i == NONE32) return 0;
+    h->c_evictions++;
+    if (allow_spill && h->disk_capacity && disk_spill(p, i) == 0) {
+        lru_unlink(p, i, &h->lru_head, &h->lru_tail);
+        entry_to_disk(p, i);
+        return 1;
+    }
+    entry_remove(p, i);
+    return 1;
+}
+
+static uint32_t entry_alloc(Pool *p) {
+    hdr_t *h = p->h;
+    entry_t *E = ENT(p);
+    uint32_t i;
+    if (h->free_entry_head != NONE32 || h->entries_hwm >= h->max_keys) {
+        while (h->free_entry_head == NONE32) {
+            if (h->disk_tail != NONE32) {
+                entry_remove(p, h->disk_tail);
+                h->c_disk_drops++;
+            } else if (!evict_one(p, 0)) {
+                return NONE32;
+            }
+        }
+        i = h->free_entry_head;
+        h->free_entry_head = E[i].hnext;
+    } else {
+        i = h->entries_hwm++; /* never used: the memory is touched only now */
+        memset(&E[i], 0, offsetof(entry_t, key));
+        E[i].prev = E[i].next = E[i].first_page = NONE32;
+    }
+    E[i].hnext = NONE32;
+    h->entries_used++;
+    return i;
+}
+
+/* ------------------------------------------------------------------ sweep and rebuild */
+
+/* Free slots of dead processes and the reservations they held. Lock held. */
+static int sweep_dead(Pool *p) {
+    hdr_t *h = p->h;
+    slot_t *S = SLOTS(p);
+    static __thread uint8_t dead[MAX_PROCS];
+    int ndead = 0;
+    for (int s = 0; s < MAX_PROCS; s++) {
+        dead[s] = 0;
+        if (S[s].in_use && !slot_alive(&S[s])) {
+            S[s].in_use = 0;
+            dead[s] = 1;
+            ndead++;
+        }
+    }
+    if (!ndead) return 0;
+    entry_t *E = ENT(p);
+    for (uint32_t i = 0; i < h->entries_hwm; i++) {
+        entry_t *e = &E[i];
+        if (e->owner < 0 || e->owner >= MAX_PROCS || !dead[e->owner]) continue;
+        if (e->state == E_RESERVED) {
+            reservation_drop(p, i);
+            h->c_dead_reclaimed++;
+        } else if (e->state == E_SPILLING) { /* its spill never finished: it is simply LIVE again */
+            e->state = E_LIVE;
+            e->owner = -1;
+            lru_push_tail(p, i, &h->lru_head, &h->lru_tail);
+            h->c_dead_reclaimed++;
+        } else if (e->state == E_SPILL_DEAD) {
+            pages_free(p, e->first_page, e->npages);
+            entry_release(p, i);
+            h->c_dead_reclaimed++;
+        }
+    }
+    return ndead;
+}
+
+static int cmp_tick_desc(const void *a, const void *b, void *arg) {
+    const entry_t *E = arg;
+    uint64_t x = E[*(const uint32_t *)a].tick, y = E[*(const uint32_t *)b].tick;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+static int cmp_disk_desc(const void *a, const void *b, void *arg) {
+    const entry_t *E = arg;
+    const entry_t *x = &E[*(const uint32_t *)a], *y = &E[*(const uint32_t *)b];
+    if (x->disk_seg != y->disk_seg) return x->disk_seg < y->disk_seg ? 1 : -1;
+    return x->disk_off < y->disk_off ? 1 : x->disk_off > y->disk_off ? -1 : 0;
+}
+
+/* Rebuild free lists, hash chains and LRU lists from the entry table after a
+ * process died holding the lock. Entries that do not validate are dropped. */
+static void rebuild(Pool *p) {
+    hdr_t *h = p->h;
+    entry_t *E = ENT(p);
+    uint32_t *nx = NEXT(p);
+    uint8_t *owned = calloc(h->n_pages ? h->n_pages : 1, 1);
+    uint32_t *chain = malloc(sizeof(uint32_t) * (h->n_pages + 1));
+    uint32_t *order = malloc(sizeof(uint32_t) * (h->max_keys + 1));
+    slot_t *S = SLOTS(p);
+    for (int s = 0; s < MAX_PROCS; s++)
+        if (S[s].in_use && !slot_alive(&S[s])) S[s].in_use = 0;
+    for (uint32_t b = 0; b < h->n_buckets; b++) BUCKETS(p)[b] = NONE32;
+    h->free_page_head = NONE32;
+    h->free_pages = 0;
+    h->free_entry_head = NONE32;
+    h->entries_used = 0;
+    h->lru_head = h->lru_tail = h->disk_head = h->disk_tail = NONE32;
+    h->n_live = h->n_disk = h->reserved_pages = 0;
+    h->live_bytes = h->disk_live_bytes = 0;
+    uint64_t P = h->page_size;
+    if (h->entries_hwm > h->max_keys) h->entries_hwm = h->max_keys;
+    for (uint32_t i = h->entries_hwm; i-- > 0;) {
+        entry_t *e = &E[i];
+        int owner_alive = e->owner >= 0 && e->owner < MAX_PROCS && S[e->owner].in_use;
+        if (e->state == E_SPILLING && !owner_alive) e->state = E_LIVE; /* the spill never finished */
+        int ok = (e->state >= E_RESERVED && e->state <= E_SPILL_DEAD) && e->keylen > 0 && e->keylen <= MAX_KEY;
+        if (ok && (e->state == E_RESERVED || e->state == E_SPILL_DEAD)) ok = owner_alive;
+        if (ok && e->state == E_DISK)
+            ok = e->disk_seg >= h->disk_first_seg && e->disk_seg <= h->disk_cur_seg && h->disk_capacity;
+        int hashed = e->state == E_LIVE || e->state == E_DISK || e->state == E_SPILLING;
+        if (ok && hashed && find(p, e->key, e->keylen, e->hash) != NONE32) ok = 0;
+        if (ok && e->state != E_DISK) {
+            uint64_t need = (e->size + P - 1) / P;
+            ok = need == e->npages && need <= h->n_pages;
+            uint32_t pg = e->first_page;
+            for (uint32_t k = 0; ok && k < e->npages; k++) {
+                if (pg >= h->n_pages || owned[pg]) ok = 0;
+                else {
+                    owned[pg] = 1;
+                    chain[k] = pg;
+                    pg = nx[pg];
+                }
+                if (!ok)
+                    for (uint32_t j = 0; j < k; j++) owned[chain[j]] = 0;
+            }
+            if (ok && e->npages) nx[chain[e->npages - 1]] = NONE32;
+        }
+        if (!ok) {
+            memset(e, 0, offsetof(entry_t, key));
+            e->state = E_FREE;
+            e->prev = e->next = e->first_page = NONE32;
+            e->hnext = h->free_entry_head;
+            h->free_entry_head = i;
+            continue;
+        }
+        h->entries_used++;
+        e->prev = e->next = NONE32;
+        if (e->state == E_LIVE || e->state == E_DISK) e->owner = -1;
+        if (e->state == E_RESERVED) h->reserved_pages += e->npages;
+        if (e->state == E_SPILLING) { /* live, readable, not in the LRU until its spiller is done */
+            h->n_live++;
+            h->live_bytes += e->size;
+        }
+        if (hashed) hash_insert(p, i);
+        else e->hnext = NONE32;
+    }
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < h->entries_hwm; i++)
+        if (E[i].state == E_LIVE) order[n++] = i;
+    qsort_r(order, n, sizeof(uint32_t), cmp_tick_desc, E);
+    for (uint32_t k = n; k-- > 0;) {
+        lru_push_head(p, order[k], &h->lru_head, &h->lru_tail);
+        h->n_live++;
+        h->live_bytes += E[order[k]].size;
+    }
+    n = 0;
+    for (uint32_t i = 0; i < h->entries_hwm; i++)
+        if (E[i].state == E_DISK) order[n++] = i;
+    qsort_r(order, n, sizeof(uint32_t), cmp_disk_desc, E);
+    for (uint32_t k = n; k-- > 0;) {
+        lru_push_head(p, order[k], &h->disk_head, &h->disk_tail);
+        h->n_disk++;
+        h->disk_live_bytes += E[order[k]].size;
+    }
+    for (uint32_t pg = h->n_pages; pg-- > 0;)
+        if (!owned[pg]) {
+            nx[pg] = h->free_page_head;
+            h->free_page_head = pg;
+            h->free_pages++;
+        }
+    free(owned);
+    free(chain);
+    free(order);
+}
+
+/* ------------------------------------------------------------------ locking */
+
+static void orphans_clean(Pool *p);
+
+/* Lock with a deadline (CLOCK_MONOTONIC seconds). Call without the GIL. */
+static int pool_lock(Pool *p, double deadline) {
+    hdr_t *h = p->h;
+    int r = pthread_mutex_trylock(&h->lock);
+    if (r == EBUSY) {
+        struct timespec ts;
+        double d = deadline < 0 ? 0 : deadline;
+        ts.tv_sec = (time_t)d;
+        ts.tv_nsec = (long)((d - (double)ts.tv_sec) * 1e9);
+        r = pthread_mutex_clocklock(&h->lock, CLOCK_MONOTONIC, &ts);
+    }
+    if (r == EOWNERDEAD) {
+        rebuild(p);
+        h->c_lock_recoveries++;
+        atomic_store(&h->debug_holder, 0);
+        pthread_mutex_consistent(&h->lock);
+        r = 0;
+    }
+    if (r == ETIMEDOUT) return ST_TIMEOUT;
+    if (r != 0) return ST_UNAVAILABLE;
+    if (atomic_load(&h->destroyed)) {
+        pthread_mutex_unlock(&h->lock);
+        return ST_UNAVAILABLE;
+    }
+    if (p->n_orphans) orphans_clean(p);
+    return ST_OK;
+}
+
+static void pool_unlock(Pool *p) { pthread_mutex_unlock(&p->h->lock); }
+
+/* Undo what this handle left behind when a lock wait timed out mid-operation. */
+static void orphans_clean(Pool *p) {
+    pthread_mutex_lock(&p->local);
+    hdr_t *h = p->h;
+    entry_t *E = ENT(p);
+    for (int k = 0; k < p->n_orphans; k++) {
+        uint32_t i = p->orphans[k].idx;
+        entry_t *e = &E[i];
+        if (e->owner != p->slot || e->version != p->orphans[k].token) continue;
+        if (!p->orphans[k].spill) {
+            if (e->state == E_RESERVED) reservation_drop(p, i);
+        } else if (e->state == E_SPILLING) { /* never finalized: keep it in DRAM */
+            e->state = E_LIVE;
+            e->owner = -1;
+            lru_push_tail(p, i, &h->lru_head, &h->lru_tail);
+        } else if (e->state == E_SPILL_DEAD) {
+            pages_free(p, e->first_page, e->npages);
+            entry_release(p, i);
+        }
+    }
+    p->n_orphans = 0;
+    pthread_mutex_unlock(&p->local);
+}
+
+static void orphan_add(Pool *p, uint32_t idx, uint64_t token, int spill) {
+    pthread_mutex_lock(&p->local);
+    if (p->n_orphans == p->cap_orphans) {
+        int cap = p->cap_orphans ? p->cap_orphans * 2 : 64;
+        orphan_t *o = realloc(p->orphans, sizeof(orphan_t) * cap);
+        if (!o) {
+            pthread_mutex_unlock(&p->local);
+            return; /* left until this process exits; the sweep reclaims it then */
+        }
+        p->orphans = o;
+        p->cap_orphans = cap;
+    }
+    p->orphans[p->n_orphans].idx = idx;
+    p->orphans[p->n_orphans].spill = (uint32_t)spill;
+    p->orphans[p->n_orphans].token = token;
+    p->n_orphans++;
+    pthread_mutex_unlock(&p->local);
+}
+
+/* ------------------------------------------------------------------ slots */
+
+static int slot_attach(Pool *p) {
+    slot_t *S = SLOTS(p);
+    sweep_dead(p);
+    for (int s = 0; s < MAX_PROCS; s++)
+        if (!S[s].in_use) {
+            S[s].pid = getpid();
+            S[s].starttime = proc_starttime(getpid(), NULL);
+            S[s].in_use = 1;
+            return s;
+        }
+    return -1;
+}
+
+/* ------------------------------------------------------------------ batch parsing */
+
+typedef struct {
+    uint64_t addr, len;
+} reg_t;
+
+typedef struct {
+    const char *key;
+    uint32_t klen;
+    uint64_t hash;
+    int status;
+    reg_t *regs;
+    uint32_t nregs;
+    uint64_t total;
+    /* per-operation scratch */
+    uint32_t idx;
+    uint64_t version;
+    uint64_t size;
+    uint64_t checksum;
+    int has_sum;
+    int state;
+    uint32_t npages;
+    uint32_t *pages; /* page list recorded under the lock */
+    uint64_t disk_off;
+    uint32_t disk_seg;
+    uint64_t cond_version; /* promotion: publish only if the key still has this version */
+} item_t;
+
+typedef struct {
+    item_t *items;
+    Py_ssize_t n;
+    char *keybuf;
+    reg_t *regbuf;
+    uint32_t *pagebuf;
+} batch_t;
+
+static void batch_free(batch_t *b) {
+    free(b->items);
+    free(b->keybuf);
+    free(b->regbuf);
+    free(b->pagebuf);
+    memset(b, 0, sizeof *b);
+}
+
+static int parse_region(PyObject *r, reg_t *out) {
+    static PyObject *s_addr = NULL, *s_length = NULL;
+    if (!s_addr) {
+        s_addr = PyUnicode_InternFromString("addr");
+        s_length = PyUnicode_InternFromString("length");
+    }
+    PyObject *a, *l;
+    if (PyTuple_Check(r) && PyTuple_GET_SIZE(r) == 2) {
+        a = PyTuple_GET_ITEM(r, 0);
+        l = PyTuple_GET_ITEM(r, 1);
+        Py_INCREF(a);
+        Py_INCREF(l);
+    } else {
+        a = PyObject_GetAttr(r, s_addr);
+        l = a ? PyObject_GetAttr(r, s_length) : NULL;
+        if (!a || !l) {
+            Py_XDECREF(a);
+            PyErr_Clear();
+            return -1;
+        }
+    }
+    unsigned long long av = PyLong_AsUnsignedLongLong(a);
+    unsigned long long lv = PyLong_AsUnsignedLongLong(l);
+    Py_DECREF(a);
+    Py_DECREF(l);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
+    }
+    if (lv && !av) return -1;
+    out->addr = av;
+    out->len = lv;
+    return 0;
+}
+
+/* keys: sequence of str; regions: None or a sequence (one per key) of
+ * sequences of Region / (addr, length). Bad entries become INVALID items. */
+static int batch_parse(batch_t *b, PyObject *keys, PyObject *regions) {
+    memset(b, 0, sizeof *b);
+    PyObject *kf = PySequence_Fast(keys, "keys must be a sequence of str");
+    if (!kf) return -1;
+    PyObject *rf = NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(kf);
+    if (regions && regions != Py_None) {
+        rf = PySequence_Fast(regions, "regions must be a sequence (one entry per key)");
+        if (!rf) goto fail;
+        if (PySequence_Fast_GET_SIZE(rf) != n) {
+            PyErr_Format(PyExc_ValueError, "%zd keys but %zd region lists", n, PySequence_Fast_GET_SIZE(rf));
+            goto fail;
+        }
+    }
+    b->n = n;
+    b->items = calloc(n ? n : 1, sizeof(item_t));
+    if (!b->items) goto nomem;
+    size_t keytot = 0, regtot = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        item_t *it = &b->items[i];
+        it->status = ST_PENDING;
+        PyObject *k = PySequence_Fast_GET_ITEM(kf, i);
+        Py_ssize_t kl = 0;
+        const char *ks = PyUnicode_Check(k) ? PyUnicode_AsUTF8AndSize(k, &kl) : NULL;
+        if (!ks) {
+            PyErr_Clear();
+            it->status = ST_INVALID;
+        } else if (kl == 0 || kl > MAX_KEY) {
+            it->status = ST_INVALID;
+        } else {
+            it->key = ks;
+            it->klen = (uint32_t)kl;
+            keytot += kl;
+        }
+        if (rf) {
+            PyObject *rl = PySequence_Fast_GET_ITEM(rf, i);
+            Py_ssize_t m = PySequence_Check(rl) && !PyUnicode_Check(rl) ? PySequence_Size(rl) : -1;
+            if (m < 0) {
+                PyErr_Clear();
+                it->status = ST_INVALID;
+            } else {
+                it->nregs = (uint32_t)m;
+                regtot += m;
+            }
+        }
+    }
+    b->keybuf = malloc(keytot ? keytot : 1);
+    b->regbuf = malloc(sizeof(reg_t) * (regtot ? regtot : 1));
+    if (!b->keybuf || !b->regbuf) goto nomem;
+    size_t ko = 0, ro = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        item_t *it = &b->items[i];
+        if (it->key) {
+            memcpy(b->keybuf + ko, it->key, it->klen);
+            it->key = b->keybuf + ko;
+            ko += it->klen;
+            it->hash = key_hash(it->key, it->klen);
+        }
+        if (rf && it->nregs) {
+            PyObject *rl = PySequence_Fast_GET_ITEM(rf, i);
+            PyObject *rlf = PySequence_Fast(rl, "regions");
+            if (!rlf) {
+                PyErr_Clear();
+                it->status = ST_INVALID;
+                it->nregs = 0;
+                continue;
+            }
+            it->regs = b->regbuf + ro;
+            Py_ssize_t m = PySequence_Fast_GET_SIZE(rlf);
+            if ((uint32_t)m != it->nregs) m = it->nregs < (uint32_t)m ? it->nregs : m;
+            for (Py_ssize_t j = 0; j < m; j++) {
+                if (parse_region(PySequence_Fast_GET_ITEM(rlf, j), &it->regs[j]) < 0) {
+                    it->status = ST_INVALID;
+                    break;
+                }
+                it->total += it->regs[j].len;
+            }
+            Py_DECREF(rlf);
+            ro += it->nregs;
+        }
+    }
+    Py_DECREF(kf);
+    Py_XDECREF(rf);
+    return 0;
+nomem:
+    PyErr_NoMemory();
+fail:
+    Py_DECREF(kf);
+    Py_XDECREF(rf);
+    batch_free(b);
+    return -1;
+}
+
+static PyObject *status_obj(int st) {
+    if (st == ST_PENDING) st = ST_UNAVAILABLE;
+    if (status_table && st >= 0 && st < PyTuple_GET_SIZE(status_table)) {
+        PyObject *o = PyTuple_GET_ITEM(status_table, st);
+        Py_INCREF(o);
+        return o;
+    }
+    return PyLong_FromLong(st);
+}
+
+static PyObject *batch_result(batch_t *b) {
+    PyObject *out = PyList_New(b->n);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < b->n; i++) PyList_SET_ITEM(out, i, status_obj(b->items[i].status));
+    return out;
+}
+
+/* ------------------------------------------------------------------ data movement (no lock, no GIL) */
+
+/* Copy between a page list of the arena and scattered regions.
+ * to_pool: regions -> pages; else pages -> regions. Optionally checksums the
+ * object's bytes in order, in the same pass as the copy. */
+static void copy_pages(Pool *p, const uint32_t *pages, uint64_t size, reg_t *regs, uint32_t nregs, int to_pool,
+                       ck_t *ck) {
+    uint64_t P = p->h->page_size;
+    uint8_t *arena = ARENA(p);
+    uint32_t r = 0;
+    uint64_t roff = 0, done = 0;
+    uint32_t k = 0;
+    while (done < size) {
+        /* a run of consecutive pages */
+        uint32_t k0 = k, npages = (uint32_t)((size + P - 1) / P);
+        while (k + 1 < npages && pages[k + 1] == pages[k] + 1) k++;
+        k++;
+        uint64_t run_end = (uint64_t)k * P < size ? (uint64_t)k * P : size;
+        uint8_t *pool = arena + (uint64_t)pages[k0] * P;
+        uint64_t run_len = run_end - done, pos = 0;
+        while (pos < run_len) {
+            while (r < nregs && roff == regs[r].len) {
+                r++;
+                roff = 0;
+            }
+            uint64_t n = regs[r].len - roff;
+            if (n > run_len - pos) n = run_len - pos;
+            uint8_t *mem = (uint8_t *)(uintptr_t)(regs[r].addr + roff);
+            if (to_pool) copy_ck(ck, pool + pos, mem, n);
+            else copy_ck(ck, mem, pool + pos, n);
+            pos += n;
+            roff += n;
+        }
+        done = run_end;
+    }
+}
+
+static void checksum_regions(reg_t *regs, uint32_t nregs, ck_t *ck) {
+    for (uint32_t r = 0; r < nregs; r++) ck_update(ck, (const uint8_t *)(uintptr_t)regs[r].addr, regs[r].len);
+}
+
+/* ------------------------------------------------------------------ core operations (no GIL) */
+
+static int enter(Pool *p) {
+    atomic_fetch_add(&p->busy, 1);
+    if (atomic_load(&p->closed) || !p->h) {
+        atomic_fetch_sub(&p->busy, 1);
+        return -1;
+    }
+    return 0;
+}
+
+static void leave(Pool *p) { atomic_fetch_sub(&p->busy, 1); }
+
+static void set_pending(batch_t *b, int st) {
+    for (Py_ssize_t i = 0; i < b->n; i++)
+        if (b->items[i].status == ST_PENDING) b->items[i].status = st;
+}
+
+/* After fork the child has the mapping but not a slot of its own. */
+static int ensure_slot(Pool *p, double deadline) {
+    if (p->pid == getpid()) return ST_OK;
+    pthread_mutex_init(&p->local, NULL);
+    p->n_orphans = 0;
+    int st = pool_lock(p, deadline);
+    if (st) return st;
+    int s = slot_attach(p);
+    pool_unlock(p);
+    if (s < 0) return ST_UNAVAILABLE;
+    p->slot = s;
+    p->pid = getpid();
+    return ST_OK;
+}
+
+static void op_exists(Pool *p, batch_t *b, double deadline) {
+    int st = pool_lock(p, deadline);
+    if (st) return set_pending(b, st);
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        item_t *it = &b->items[i];
+        if (it->status != ST_PENDING) continue;
+        uint32_t e = find(p, it->key, it->klen, it->hash);
+        if (e == NONE32) it->status = ST_NOT_FOUND;
+        else {
+            touch(p, e);
+            it->status = ST_OK;
+        }
+    }
+    pool_unlock(p);
+}
+
+typedef struct {
+    uint32_t idx, ok;
+    uint64_t version, seg, off, size;
+    uint32_t first_page;
+} victim_t;
+
+/* With the disk tier on, make room for a batch by spilling LRU objects with
+ * the disk I/O outside the lock: lock held on entry and on a 0 return. The
+ * victims stay readable (SPILLING) until their bytes are on disk. */
+static int spill_ahead(Pool *p, batch_t *b, double deadline) {
+    hdr_t *h = p->h;
+    uint64_t P = h->page_size, need = 0;
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        item_t *it = &b->items[i];
+        uint64_t n = (it->total + P - 1) / P;
+        if (it->status == ST_PENDING && n <= h->n_pages) need += n;
+    }
+    if (need > h->n_pages) need = h->n_pages;
+    uint64_t have = h->free_pages;
+    if (have >= need) return ST_OK;
+    entry_t *E = ENT(p);
+    victim_t *v = NULL;
+    size_t nv = 0, cap = 0;
+    while (have < need && h->lru_tail != NONE32) {
+        uint32_t i = h->lru_tail;
+        entry_t *e = &E[i];
+        uint64_t seg, off;
+        h->c_evictions++;
+        have += e->npages;
+        if (disk_reserve(p, e->size, &seg, &off) != 0) {
+            entry_remove(p, i); /* too big for the disk tier: just evict */
+            continue;
+        }
+        if (nv == cap) {
+            cap = cap ? cap * 2 : 32;
+            victim_t *nvv = realloc(v, cap * sizeof *v);
+            if (!nvv) { /* out of memory: spill this one under the lock */
+                lru_unlink(p, i, &h->lru_head, &h->lru_tail);
+                if (disk_write_pages(p, e->first_page, e->size, seg, off) == 0) {
+                    e->disk_seg = (uint32_t)seg;
+                    e->disk_off = off;
+                    entry_to_disk(p, i);
+                } else {
+                    lru_push_head(p, i, &h->lru_head, &h->lru_tail);
+                    entry_remove(p, i);
+                }
+                continue;
+            }
+            v = nvv;
+        }
+        lru_unlink(p, i, &h->lru_head, &h->lru_tail);
+        e->state = E_SPILLING;
+        e->owner = p->slot;
+        e->disk_seg = (uint32_t)seg;
+        e->disk_off = off;
+        v[nv++] = (victim_t){i, 0, e->version, seg, off, e->size, e->first_page};
+    }
+    if (!nv) {
+        free(v);
+        return ST_OK;
+    }
+    pool_unlock(p);
+    for (size_t k = 0; k < nv; k++)
+        v[k].ok = disk_write_pages(p, v[k].first_page, v[k].size, v[k].seg, v[k].off) == 0;
+    double stall = atomic_load(&p->spill_stall_s);
+    if (stall > 0) {
+        atomic_store(&h->debug_holder, -(int32_t)getpid());
+        usleep((useconds_t)(stall * 1e6));
+        atomic_store(&h->debug_holder, 0);
+    }
+    int st = pool_lock(p, deadline);
+    if (st) {
+        for (size_t k = 0; k < nv; k++) orphan_add(p, v[k].idx, v[k].version, 1);
+        free(v);
+        return st;
+    }
+    for (size_t k = 0; k < nv; k++) {
+        entry_t *e = &E[v[k].idx];
+        if (e->owner != p->slot || e->version != v[k].version) continue; /* reclaimed by a sweep */
+        if (e->state == E_SPILL_DEAD) { /* removed or replaced while we wrote it */
+            pages_free(p, e->first_page, e->npages);
+            entry_release(p, v[k].idx);
+        } else if (e->state == E_SPILLING) {
+            if (v[k].ok && v[k].seg >= h->disk_first_seg) {
+                entry_to_disk(p, v[k].idx);
+            } else { /* the write failed or its segment was dropped meanwhile: evict it */
+                if (v[k].seg < h->disk_first_seg) {
+                    char path[MAX_PATH_LEN + 200];
+                    seg_path(p, v[k].seg, path, sizeof path);
+                    unlink(path); /* our write may have re-created the dropped file */
+                }
+                hash_unlink(p, v[k].idx);
+                h->n_live--;
+                h->live_bytes -= e->size;
+                pages_free(p, e->first_page, e->npages);
+                entry_release(p, v[k].idx);
+            }
+        }
+    }
+    free(v);
+    return ST_OK;
+}
+
+/* Put (or promote, when items carry cond_version). */
+static void op_put(Pool *p, batch_t *b, double deadline) {
+    hdr_t *h = p->h;
+    uint64_t P = h->page_size;
+    int st = pool_lock(p, deadline);
+    if (st) return set_pending(b, st);
+    if (h->disk_capacity && (st = spill_ahead(p, b, deadline)) != ST_OK) return set_pending(b, st);
+    int swept = 0;
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        item_t *it = &b->items[i];
+        if (it->status != ST_PENDING) continue;
+        uint64_t need = (it->total + P - 1) / P;
+        if (need > h->n_pages) {
+            it->status = ST_INVALID; /* can never be stored (NO_SPACE means full for now) */
+            continue;
+        }
+        for (;;) {
+            while (h->free_pages < need && evict_one(p, 1)) {}
+            if (h->free_pages >= need || swept) break;
+            swept = 1;
+            sweep_dead(p);
+        }
+        uint32_t e = h->free_pages >= need ? entry_alloc(p) : NONE32;
+        /* entry_alloc may evict DRAM objects without spilling: recheck pages */
+        if (e == NONE32 || h->free_pages < need) {
+            if (e != NONE32) entry_release(p, e);
+            it->status = ST_NO_SPACE;
+            h->c_no_space++;
+            continue;
+        }
+        entry_t *en = &ENT(p)[e];
+        en->state = E_RESERVED;
+        en->owner = p->slot;
+        en->hash = it->hash;
+        en->size = it->total;
+        en->keylen = it->klen;
+        memcpy(en->key, it->key, it->klen);
+        en->npages = (uint32_t)need;
+        en->first_page = pages_alloc(p, (uint32_t)need);
+        en->version = ++h->next_version; /* reservation token */
+        h->reserved_pages += (uint32_t)need;
+        it->idx = e;
+        it->version = en->version;
+        it->npages = (uint32_t)need;
+        uint32_t *nx = NEXT(p), pg = en->first_page;
+        for (uint32_t k = 0; k < need; k++, pg = nx[pg]) it->pages[k] = pg;
+    }
+    pool_unlock(p);
+
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        item_t *it = &b->items[i];
+        if (it->status != ST_PENDING) continue;
+        ck_t ck;
+        ck_init(&ck);
+        copy_pages(p, it->pages, it->total, it->regs, it->nregs, 1, h->checksum ? &ck : NULL);
+        it->checksum = h->checksum ? ck_final(&ck) : 0;
+    }
+
+    st = pool_lock(p, deadline);
+    if (st) {
+        for (Py_ssize_t i = 0; i < b->n; i++)
+            if (b->items[i].status == ST_PENDING) orphan_add(p, b->items[i].idx, b->items[i].version, 0);
+        return set_pending(b, st);
+    }
+    entry_t *E = ENT(p);
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        item_t *it = &b->items[i];
+        if (it->status != ST_PENDING) continue;
+        entry_t *en = &E[it->idx];
+        if (en->state != E_RESERVED || en->version != it->version) {
+            it->status = ST_UNAVAILABLE; /* reclaimed (this process was thought dead) */
+            continue;
+        }
+        uint32_t old = find(p, it->key, it->klen, it->hash);
+        if (it->cond_version && (old == NONE32 || E[old].version != it->cond_version)) {
+            reservation_drop(p, it->idx); /* the key changed meanwhile: keep the newer value */
+            it->status = ST_OK;
+            continue;
+        }
+        if (old != NONE32) entry_remove(p, old);
+        h->reserved_pages -= en->npages;
+        en->checksum = it->checksum;
+        en->has_sum = h->checksum ? 1 : 0;
+        en->owner = -1;
+        en->state = E_LIVE;
+        en->version = ++h->next_version;
+        en->tick = ++h->tick;
+        hash_insert(p, it->idx);
+        lru_push_head(p, it->idx, &h->lru_head, &h->lru_tail);
+        h->n_live++;
+        h->live_bytes += en->size;
+        if (it->cond_version) h->c_promotions++;
+        else h->c_puts++;
+        it->status = ST_OK;
+    }
+    pool_unlock(p);
+}
+
+static int disk_read(Pool *p, item_t *it) {
+    /* a private fd, so neither the fd cache lock nor the pool lock is held during I/O */
+    pthread_mutex_lock(&p->local);
+    int fd = p->h->disk_capacity ? seg_fd_locked(p, it->disk_seg, 0) : -1;
+    if (fd >= 0) fd = dup(fd);
+    pthread_mutex_unlock(&p->local);
+    if (fd < 0) return -1;
+    int rc = 0;
+    uint64_t pos = it->disk_off;
+    for (uint32_t r = 0; rc == 0 && r < it->nregs;) {
+        struct iovec iov[64];
+        int n = 0;
+        size_t tot = 0;
+        for (; r < it->nregs && n < 64; r++) {
+            if (!it->regs[r].len) continue;
+            iov[n].iov_base = (void *)(uintptr_t)it->regs[r].addr;
+            iov[n].iov_len = it->regs[r].len;
+            tot += iov[n].iov_len;
+            n++;
+        }
+        if (n && preadv(fd, iov, n, (off_t)pos) != (ssize_t)tot) rc = -1;
+        pos += tot;
+    }
+    close(fd);
+    return rc;
+}
+
+static void op_get(Pool *p, batch_t *b, double deadline) {
+    hdr_t *h = p->h;
+    uint64_t P = h->page_size;
+    int any_disk = 0;
+    for (int attempt = 0; attempt < 3; attempt++) {
+        int st = pool_lock(p, deadline);
+        if (st) return set_pending(b, st);
+        int pending = 0;
+        for (Py_ssize_t i = 0; i < b->n; i++) {
+            item_t *it = &b->items[i];
+            if (it->status != ST_PENDING) continue;
+            uint32_t e = find(p, it->key, it->klen, it->hash);
+            if (e == NONE32) {
+                it->status = ST_NOT_FOUND;
+                h->c_misses++;
+                continue;
+            }
+            entry_t *en = &ENT(p)[e];
+            if (en->size != it->total) {
+                it->status = ST_INVALID;
+                continue;
+            }
+            it->idx = e;
+            it->version = en->version;
+            it->state = (int)en->state;
+            it->checksum = en->checksum;
+            it->has_sum = (int)en->has_sum;
+            it->size = en->size;
+            if (en->state == E_DISK) {
+                it->disk_seg = en->disk_seg;
+                it->disk_off = en->disk_off;
+                it->npages = 0;
+            } else {
+                it->npages = en->npages;
+                uint32_t *nx = NEXT(p), pg = en->first_page;
+                for (uint32_t k = 0; k < en->npages; k++, pg = nx[pg]) it->pages[k] = pg;
+            }
+            touch(p, e);
+            pending++;
+        }
+        pool_unlock(p);
+        if (!pending) break;
+
+        for (Py_ssize_t i = 0; i < b->n; i++) {
+            item_t *it = &b->items[i];
+            if (it->status != ST_PENDING) continue;
+            ck_t ck;
+            ck_init(&ck);
+            if (it->state == E_DISK) {
+                if (disk_read(p, it) != 0) {
+                    it->state = -1; /* segment gone: re-check under the lock */
+                    continue;
+                }
+                if (it->has_sum) checksum_regions(it->regs, it->nregs, &ck);
+            } else {
+                copy_pages(p, it->pages, it->size, it->regs, it->nregs, 0, it->has_sum ? &ck : NULL);
+            }
+            it->cond_version = it->has_sum ? ck_final(&ck) : 0; /* scratch: computed sum */
+        }
+
+        st = pool_lock(p, deadline);
+        if (st) return set_pending(b, st);
+        int retry = 0;
+        for (Py_ssize_t i = 0; i < b->n; i++) {
+            item_t *it = &b->items[i];
+            if (it->status != ST_PENDING) continue;
+            entry_t *en = &ENT(p)[it->idx];
+            if (it->state < 0 || en->version != it->version ||
+                (en->state != E_LIVE && en->state != E_DISK && en->state != E_SPILLING)) {
+                retry++;
+                h->c_retries++;
+                continue; /* changed under us: look it up again */
+            }
+            if (it->has_sum && it->cond_version != it->checksum) {
+                it->status = ST_CORRUPT;
+                h->c_corrupt++;
+                continue;
+            }
+            it->status = ST_OK;
+            h->c_hits++;
+            if (it->state == E_DISK) {
+                h->c_disk_hits++;
+                any_disk = 1;
+            }
+        }
+        pool_unlock(p);
+        if (!retry) break;
+    }
+    for (Py_ssize_t i = 0; i < b->n; i++)
+        if (b->items[i].status == ST_PENDING) b->items[i].status = ST_NOT_FOUND;
+    if (!any_disk) return;
+
+    /* Promote disk hits to DRAM: a conditional put from the caller's regions. */
+    int n = 0;
+    for (Py_ssize_t i = 0; i < b->n; i++)
+        if (b->items[i].status == ST_OK && b->items[i].state == E_DISK) n++;
+    batch_t pb = {0};
+    pb.items = calloc(n, sizeof(item_t));
+    uint32_t *pages = NULL;
+    size_t npg = 0;
+    for (Py_ssize_t i = 0; i < b->n; i++)
+        if (b->items[i].status == ST_OK && b->items[i].state == E_DISK) npg += (b->items[i].size + P - 1) / P;
+    pages = malloc(sizeof(uint32_t) * (npg + 1));
+    if (!pb.items || !pages) {
+        free(pb.items);
+        free(pages);
+        return;
+    }
+    size_t po = 0;
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        item_t *it = &b->items[i];
+        if (it->status != ST_OK || it->state != E_DISK) continue;
+        item_t *q = &pb.items[pb.n++];
+        *q = *it;
+        q->status = ST_PENDING;
+        q->cond_version = it->version;
+        q->pages = pages + po;
+        po += (it->size + P - 1) / P;
+    }
+    op_put(p, &pb, deadline);
+    free(pb.items);
+    free(pages);
+}
+
+static void op_remove(Pool *p, batch_t *b, double deadline) {
+    int st = pool_lock(p, deadline);
+    if (st) return set_pending(b, st);
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        item_t *it = &b->items[i];
+        if (it->status != ST_PENDING) continue;
+        uint32_t e = find(p, it->key, it->klen, it->hash);
+        if (e == NONE32) it->status = ST_NOT_FOUND;
+        else {
+            entry_remove(p, e);
+            it->status = ST_OK;
+        }
+    }
+    pool_unlock(p);
+}
+
+/* ------------------------------------------------------------------ open / close */
+
+static int valid_name(const char *s) {
+    size_t n = strlen(s);
+    if (!n || n > 100) return 0; /* keeps "ascendstore-pool.<name>" within the header's name field */
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
+              c == '-' || c == '.'))
+            return 0;
+    }
+    return s[0] != '.';
+}
+
+typedef struct {
+    uint64_t capacity, page_size, disk_capacity, disk_seg_size;
+    uint32_t max_keys, checksum;
+    const char *disk_path;
+} geom_t;
+
+static uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+static void layout(geom_t *g, hdr_t *h) {
+    h->capacity = g->capacity;
+    h->page_size = g->page_size;
+    h->n_pages = (uint32_t)(g->capacity / g->page_size);
+    h->max_keys = g->max_keys;
+    uint32_t nb = 1;
+    while (nb < g->max_keys) nb <<= 1;
+    h->n_buckets = nb;
+    h->checksum = g->checksum;
+    h->off_next = align_up(sizeof(hdr_t), 4096);
+    h->off_entries = align_up(h->off_next + sizeof(uint32_t) * (uint64_t)h->n_pages, 4096);
+    h->off_buckets = align_up(h->off_entries + sizeof(entry_t) * (uint64_t)h->max_keys, 4096);
+    h->off_slots = align_up(h->off_buckets + sizeof(uint32_t) * (uint64_t)nb, 4096);
+    h->off_arena = align_up(h->off_slots + sizeof(slot_t) * MAX_PROCS, 2u << 20);
+    h->total_size = h->off_arena + (uint64_t)h->n_pages * g->page_size;
+    h->disk_capacity = g->disk_path && g->disk_path[0] ? g->disk_capacity : 0;
+    h->disk_seg_size = g->disk_seg_size;
+    snprintf(h->disk_path, sizeof h->disk_path, "%s", g->disk_path ? g->disk_path : "");
+}
+
+static void init_shared(Pool *p, geom_t *g, const char *name) {
+    hdr_t *h = p->h;
+    snprintf(h->name, sizeof h->name, "%s", name);
+    h->lru_head = h->lru_tail = h->disk_head = h->disk_tail = NONE32;
+    uint32_t *nx = NEXT(p);
+    for (uint32_t i = 0; i < h->n_pages; i++) nx[i] = i + 1 < h->n_pages ? i + 1 : NONE32;
+    h->free_page_head = h->n_pages ? 0 : NONE32;
+    h->free_pages = h->n_pages;
+    h->free_entry_head = NONE32; /* entries are handed out from entries_hwm first */
+    h->entries_hwm = 0;
+    uint32_t *B = BUCKETS(p);
+    for (uint32_t i = 0; i < h->n_buckets; i++) B[i] = NONE32;
+    pthread_mutexattr_t a;
+    pthread_mutexattr_init(&a);
+    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+    pthread_mutex_init(&h->lock, &a);
+    pthread_mutexattr_destroy(&a);
+    (void)g;
+}
+
+static void disk_files_remove(hdr_t *h) {
+    if (!h->disk_capacity) return;
+    for (uint64_t s = h->disk_first_seg; s <= h->disk_cur_seg; s++) {
+        char path[MAX_PATH_LEN + 200];
+        snprintf(path, sizeof path, "%s/%s.%08llu.seg", h->disk_path, h->name, (unsigned long long)s);
+        unlink(path);
+    }
+}
+
+/* A new pool starts its segment ids at 0: remove files a crashed earlier pool
+ * of the same name left in disk_path, or they would count against nothing. */
+static void disk_files_remove_leftovers(hdr_t *h) {
+    if (!h->disk_capacity) return;
+    DIR *d = opendir(h->disk_path);
+    if (!d) return;
+    char prefix[160];
+    int pl = snprintf(prefix, sizeof prefix, "%s.", h->name);
+    struct dirent *de;
+    while ((de = readdir(d)) != NULL) {
+        size_t n = strlen(de->d_name);
+        if (strncmp(de->d_name, prefix, pl) == 0 && n > 4 && strcmp(de->d_name + n - 4, ".seg") == 0)
+            unlinkat(dirfd(d), de->d_name, 0);
+    }
+    closedir(d);
+}
+
+/* Allocate the arena's memory now rather than on first touch. */
+static void prefault_arena(Pool *p) {
+    size_t len = (size_t)p->h->n_pages * p->h->page_size;
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+    if (madvise(ARENA(p), len, MADV_POPULATE_WRITE) == 0) return;
+    for (size_t o = 0; o < len; o += 4096) ((volatile uint8_t *)ARENA(p))[o] = 0;
+}
+
+/* Returns -1 and sets a Python error on failure. Called with the GIL. */
+static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int prefault) {
+    snprintf(p->shm_name, sizeof p->shm_name, "/ascendstore-pool.%s", name);
+    hdr_t want;
+    memset(&want, 0, sizeof want);
+    layout(g, &want);
+    double deadline = now_mono() + timeout_s;
+    char err[600] = {0};
+    int ok = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (int attempt = 0; attempt < 1000 && !ok && !err[0]; attempt++) {
+        int created = 0;
+        int fd = shm_open(p->shm_name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        if (fd >= 0) {
+            created = 1;
+            if (ftruncate(fd, (off_t)want.total_size) != 0) {
+                snprintf(err, sizeof err, "cannot size shared memory %s to %llu bytes: %s", p->shm_name,
+                         (unsigned long long)want.total_size, strerror(errno));
+                close(fd);
+                shm_unlink(p->shm_name);
+                break;
+            }
+        } else if (errno == EEXIST) {
+            fd = shm_open(p->shm_name, O_RDWR | O_CLOEXEC, 0600);
+            if (fd < 0) {
+                if (errno == ENOENT) continue; /* unlinked meanwhile */
+                snprintf(err, sizeof err, "cannot open shared memory %s: %s", p->shm_name, strerror(errno));
+                break;
+            }
+        } else {
+            snprintf(err, sizeof err, "cannot create shared memory %s: %s", p->shm_name, strerror(errno));
+            break;
+        }
+        /* wait for the creator to size and initialise the segment */
+        struct stat sb;
+        hdr_t *h = NULL;
+        size_t msize = 0;
+        for (;;) {
+            if (fstat(fd, &sb) != 0) break;
+            if ((uint64_t)sb.st_size >= sizeof(hdr_t)) {
+                msize = (size_t)sb.st_size;
+                h = mmap(NULL, msize, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+                if (h == MAP_FAILED) h = NULL;
+                if (!h) break;
+                if (created || atomic_load_explicit(&h->ready, memory_order_acquire)) break;
+                munmap(h, msize);
+                h = NULL;
+            }
+            if (now_mono() > deadline) break;
+            usleep(1000);
+        }
+        close(fd);
+        if (!h) {
+            snprintf(err, sizeof err,
+                     "shared memory %s exists but was never initialised (its creator died?); "
+                     "remove /dev/shm%s and retry",
+                     p->shm_name, p->shm_name);
+            break;
+        }
+        p->h = h;
+        p->base = (uint8_t *)h;
+        p->map_size = msize;
+        if (created) {
+            memcpy(h, &want, sizeof want);
+            h->magic = POOL_MAGIC;
+            h->layout = POOL_LAYOUT;
+            init_shared(p, g, p->shm_name + 1);
+            disk_files_remove_leftovers(h);
+            if (prefault) prefault_arena(p);
+            atomic_store_explicit(&h->ready, 1, memory_order_release);
+        } else if (h->magic != POOL_MAGIC || h->layout != POOL_LAYOUT || h->total_size != msize) {
+            snprintf(err, sizeof err,
+                     "shared memory %s is not an AscendStore pool of this version; remove /dev/shm%s",
+                     p->shm_name, p->shm_name);
+            munmap(h, msize);
+            p->h = NULL;
+            break;
+        }
+        int st = pool_lock(p, deadline);
+        if (st == ST_UNAVAILABLE && atomic_load(&h->destroyed)) {
+            munmap(h, msize);
+            p->h = NULL;
+            usleep(1000);
+            continue; /* being destroyed by its last user: create a fresh one */
+        }
+        if (st) {
+            snprintf(err, sizeof err, "timed out waiting for the lock of pool %s", p->shm_name);
+            munmap(h, msize);
+            p->h = NULL;
+            break;
+        }
+        if (!created && (h->capacity != want.capacity || h->page_size != want.page_size ||
+                         h->max_keys != want.max_keys || h->checksum != want.checksum ||
+                         h->disk_capacity != want.disk_capacity || strcmp(h->disk_path, want.disk_path) != 0)) {
+            sweep_dead(p);
+            int live = 0;
+            slot_t *S = SLOTS(p);
+            for (int s = 0; s < MAX_PROCS; s++) live += S[s].in_use;
+            if (!live) { /* stale pool from an earlier run: replace it */
+                atomic_store(&h->destroyed, 1);
+                disk_files_remove(h);
+                shm_unlink(p->shm_name);
+                pool_unlock(p);
+                munmap(h, msize);
+                p->h = NULL;
+                continue;
+            }
+            snprintf(err, sizeof err,
+                     "pool %s is already open by %d process(es) with different options "
+                     "(capacity=%llu page_size=%llu max_keys=%u checksum=%u disk_path='%s' "
+                     "disk_capacity=%llu); open it with the same options or use another pool name",
+                     p->shm_name, live, (unsigned long long)h->capacity, (unsigned long long)h->page_size,
+                     h->max_keys, h->checksum, h->disk_path, (unsigned long long)h->disk_capacity);
+            pool_unlock(p);
+            munmap(h, msize);
+            p->h = NULL;
+            break;
+        }
+        int s = slot_attach(p);
+        pool_unlock(p);
+        if (s < 0) {
+            snprintf(err, sizeof err, "pool %s has no free process slot (max %d)", p->shm_name, MAX_PROCS);
+            munmap(h, msize);
+            p->h = NULL;
+            break;
+        }
+        p->slot = s;
+        p->pid = getpid();
+        ok = 1;
+    }
+    Py_END_ALLOW_THREADS
+    if (!ok) {
+        PyErr_SetString(PyExc_OSError, err[0] ? err : "could not open the pool");
+        return -1;
+    }
+    return 0;
+}
+
+/* Detach this handle; the last user (or destroy) unlinks the segment. */
+static void pool_detach(Pool *p, int destroy) {
+    if (!p->h) return;
+    hdr_t *h = p->h;
+    int unlinked = 0;
+    if (pool_lock(p, now_mono() + 5.0) == ST_OK) {
+        if (p->pid == getpid()) SLOTS(p)[p->slot].in_use = 0;
+        int live = 0;
+        if (!destroy) {
+            sweep_dead(p);
+            slot_t *S = SLOTS(p);
+            for (int s = 0; s < MAX_PROCS; s++) live += S[s].in_use;
+        }
+        if (destroy || (!live && p->unlink_on_last_close)) {
+            atomic_store(&h->destroyed, 1);
+            disk_files_remove(h);
+            shm_unlink(p->shm_name);
+            unlinked = 1;
+        }
+        pool_unlock(p);
+    } else if (destroy) {
+        atomic_store(&h->destroyed, 1);
+        shm_unlink(p->shm_name);
+        unlinked = 1;
+    }
+    (void)unlinked;
+    for (int k = 0; k < MAX_SEGS; k++)
+        if (p->seg_fd[k] >= 0) {
+            close(p->seg_fd[k]);
+            p->seg_fd[k] = -1;
+        }
+    munmap(p->base, p->map_size);
+    p->h = NULL;
+    p->base = NULL;
+}
+
+/* ------------------------------------------------------------------ Python type */
+
+static int Pool_init(Pool *p, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"name", "capacity", "page_size", "max_keys", "checksum", "disk_path",
+                             "disk_capacity", "disk_segment_size", "open_timeout_s", "unlink_on_last_close",
+                             "prefault", NULL};
+    const char *name;
+    unsigned long long cap, page, dcap = 0, dseg = 64ull << 20;
+    unsigned int maxk;
+    int checksum = 0, unlink_last = 1, prefault = 0;
+    const char *dpath = NULL;
+    double tmo = 10.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "sKKI|pzKKdpp", kwlist, &name, &cap, &page, &maxk, &checksum,
+                                     &dpath, &dcap, &dseg, &tmo, &unlink_last, &prefault))
+        return -1;
+    for (int k = 0; k < MAX_SEGS; k++) p->seg_fd[k] = -1;
+    pthread_mutex_init(&p->local, NULL);
+    if (!valid_name(name)) {
+        PyErr_Format(PyExc_ValueError, "bad pool name '%s': use 1-100 of [A-Za-z0-9_.-], not starting with '.'", name);
+        return -1;
+    }
+    if (page < 4096 || (page & (page - 1)) || page > (1ull << 30)) {
+        PyErr_SetString(PyExc_ValueError, "page_size must be a power of two between 4 KiB and 1 GiB");
+        return -1;
+    }
+    if (cap < page || cap / page >= NONE32) {
+        PyErr_SetString(PyExc_ValueError, "capacity must hold at least one page and fewer than 2**32 pages");
+        return -1;
+    }
+    if (maxk < 1 || maxk >= (1u << 30)) {
+        PyErr_SetString(PyExc_ValueError, "max_keys must be between 1 and 2**30");
+        return -1;
+    }
+    if (dpath && strlen(dpath) >= MAX_PATH_LEN - 1) {
+        PyErr_SetString(PyExc_ValueError, "disk_path too long");
+        return -1;
+    }
+    geom_t g = {cap / page * page, page, dcap, dseg < dcap / (MAX_SEGS / 2) ? dcap / (MAX_SEGS / 2) : dseg,
+                maxk, (uint32_t)checksum, dpath};
+    p->unlink_on_last_close = unlink_last;
+    return pool_open(p, name, &g, tmo, prefault);
+}
+
+static void Pool_dealloc(Pool *p) {
+    if (p->h && p->pid == getpid() && !atomic_load(&p->closed)) {
+        atomic_store(&p->closed, 1);
+        Py_BEGIN_ALLOW_THREADS
+        while (atomic_load(&p->busy)) usleep(100);
+        pool_detach(p, 0);
+        Py_END_ALLOW_THREADS
+    }
+    free(p->orphans);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+static double arg_deadline(double timeout_s) { return now_mono() + (timeout_s > 0 ? timeout_s : 0); }
+
+typedef void (*op_fn)(Pool *, batch_t *, double);
+
+static PyObject *run_batch(Pool *p, PyObject *keys, PyObject *regions, double timeout_s, op_fn fn, int need_regs,
+                           int need_pages) {
+    batch_t b;
+    if (batch_parse(&b, keys, need_regs ? regions : NULL) < 0) return NULL;
+    if (enter(p) < 0) {
+        set_pending(&b, ST_UNAVAILABLE);
+    } else {
+        if (need_pages) {
+            uint64_t P = p->h->page_size, tot = 0;
+            for (Py_ssize_t i = 0; i < b.n; i++) {
+                item_t *it = &b.items[i];
+                if (it->status != ST_PENDING) continue;
+                uint64_t np = (it->total + P - 1) / P;
+                if (np > p->h->n_pages) np = 0;
+                tot += np;
+            }
+            b.pagebuf = malloc(sizeof(uint32_t) * (tot + 1));
+            if (!b.pagebuf) {
+                leave(p);
+                batch_free(&b);
+                return PyErr_NoMemory();
+            }
+            uint64_t o = 0;
+            for (Py_ssize_t i = 0; i < b.n; i++) {
+                item_t *it = &b.items[i];
+                if (it->status != ST_PENDING) continue;
+                uint64_t np = (it->total + P - 1) / P;
+                if (np > p->h->n_pages) {
+                    it->status = ST_INVALID; /* larger than the pool: never storable */
+                    np = 0;
+                }
+                it->pages = b.pagebuf + o;
+                o += np;
+            }
+        }
+        double deadline = arg_deadline(timeout_s);
+        Py_BEGIN_ALLOW_THREADS
+        int st = ST_OK;
+        double slow = atomic_load(&p->delay_s);
+        if (slow > 0) { /* simulated slow store: never waits past the deadline */
+            double left = deadline - now_mono();
+            if (left < 0) left = 0;
+            usleep((useconds_t)((slow < left ? slow : left) * 1e6));
+            if (slow >= left) st = ST_TIMEOUT;
+        }
+        if (st) set_pending(&b, st);
+        else st = ensure_slot(p, deadline);
+        if (st) set_pending(&b, st);
+        else fn(p, &b, deadline);
+        Py_END_ALLOW_THREADS
+        leave(p);
+    }
+    PyObject *out = batch_result(&b);
+    batch_free(&b);
+    return out;
+}
+
+static PyObject *Pool_exists(Pool *p, PyObject *args) {
+    PyObject *keys;
+    double t;
+    if (!PyArg_ParseTuple(args, "Od", &keys, &t)) return NULL;
+    return run_batch(p, keys, NULL, t, op_exists, 0, 0);
+}
+
+static PyObject *Pool_put(Pool *p, PyObject *args) {
+    PyObject *keys, *regs;
+    double t;
+    if (!PyArg_ParseTuple(args, "OOd", &keys, &regs, &t)) return NULL;
+    return run_batch(p, keys, regs, t, op_put, 1, 1);
+}
+
+static PyObject *Pool_get(Pool *p, PyObject *args) {
+    PyObject *keys, *regs;
+    double t;
+    if (!PyArg_ParseTuple(args, "OOd", &keys, &regs, &t)) return NULL;
+    return run_batch(p, keys, regs, t, op_get, 1, 1);
+}
+
+static PyObject *Pool_remove(Pool *p, PyObject *args) {
+    PyObject *keys;
+    double t;
+    if (!PyArg_ParseTuple(args, "Od", &keys, &t)) return NULL;
+    return run_batch(p, keys, NULL, t, op_remove, 0, 0);
+}
+
+/* Scan entries under the lock: remove (mode 1) or list (mode 0) by prefix. */
+static PyObject *Pool_scan(Pool *p, PyObject *args) {
+    const char *prefix;
+    Py_ssize_t plen;
+    int remove;
+    Py_ssize_t limit;
+    double t;
+    if (!PyArg_ParseTuple(args, "s#pnd", &prefix, &plen, &remove, &limit, &t)) return NULL;
+    if (enter(p) < 0) {
+        if (remove) return Py_BuildValue("(Nn)", status_obj(ST_UNAVAILABLE), (Py_ssize_t)0);
+        return Py_BuildValue("(NN)", status_obj(ST_UNAVAILABLE), PyList_New(0));
+    }
+    char *pre = malloc(plen + 1);
+    memcpy(pre, prefix, plen);
+    size_t cap = 64, n = 0, bytes = 0;
+    char *buf = NULL;
+    uint32_t *lens = NULL;
+    int st;
+    double deadline = arg_deadline(t);
+    Py_BEGIN_ALLOW_THREADS
+    st = ensure_slot(p, deadline);
+    if (!st) st = pool_lock(p, deadline);
+    if (!st) {
+        entry_t *E = ENT(p);
+        size_t bcap = 4096;
+        buf = malloc(bcap);
+        lens = malloc(sizeof(uint32_t) * cap);
+        for (uint32_t i = 0; i < p->h->entries_hwm && (limit < 0 || (Py_ssize_t)n < limit); i++) {
+            entry_t *e = &E[i];
+            if ((e->state != E_LIVE && e->state != E_DISK && e->state != E_SPILLING) || e->keylen < (uint32_t)plen ||
+                memcmp(e->key, pre, plen) != 0)
+                continue;
+            if (remove) {
+                entry_remove(p, i);
+                n++;
+                continue;
+            }
+            if (n == cap) {
+                cap *= 2;
+                lens = realloc(lens, sizeof(uint32_t) * cap);
+            }
+            if (bytes + e->keylen > bcap) {
+                while (bytes + e->keylen > bcap) bcap *= 2;
+                buf = realloc(buf, bcap);
+            }
+            memcpy(buf + bytes, e->key, e->keylen);
+            bytes += e->keylen;
+            lens[n++] = e->keylen;
+        }
+        pool_unlock(p);
+    }
+    Py_END_ALLOW_THREADS
+    leave(p);
+    free(pre);
+    PyObject *res;
+    if (remove || st) {
+        res = Py_BuildValue("(Nn)", status_obj(st), (Py_ssize_t)(st ? 0 : n));
+    } else {
+        PyObject *lst = PyList_New((Py_ssize_t)n);
+        size_t o = 0;
+        for (size_t k = 0; k < n; k++) {
+            PyList_SET_ITEM(lst, k, PyUnicode_DecodeUTF8(buf + o, lens[k], "replace"));
+            o += lens[k];
+        }
+        res = Py_BuildValue("(NN)", status_obj(ST_OK), lst);
+    }
+    free(buf);
+    free(lens);
+    return res;
+}
+
+static uint64_t shm_resident(Pool *p) {
+    struct stat sb;
+    int fd = shm_open(p->shm_name, O_RDONLY | O_CLOEXEC, 0);
+    if (fd < 0) return 0;
+    uint64_t r = fstat(fd, &sb) == 0 ? (uint64_t)sb.st_blocks * 512 : 0;
+    close(fd);
+    return r;
+}
+
+static PyObject *Pool_stats(Pool *p, PyObject *args) {
+    double t;
+    if (!PyArg_ParseTuple(args, "d", &t)) return NULL;
+    if (enter(p) < 0) return Py_BuildValue("(NN)", status_obj(ST_UNAVAILABLE), PyDict_New());
+    hdr_t snap;
+    int live = 0, st;
+    double deadline = arg_deadline(t);
+    Py_BEGIN_ALLOW_THREADS
+    st = ensure_slot(p, deadline);
+    if (!st) st = pool_lock(p, deadline);
+    if (!st) {
+        memcpy(&snap, p->h, sizeof snap);
+        slot_t *S = SLOTS(p);
+        for (int s = 0; s < MAX_PROCS; s++) live += S[s].in_use;
+        pool_unlock(p);
+    }
+    Py_END_ALLOW_THREADS
+    uint64_t resident = st ? 0 : shm_resident(p);
+    leave(p);
+    if (st) return Py_BuildValue("(NN)", status_obj(st), PyDict_New());
+    uint64_t P = snap.page_size;
+    PyObject *d = PyDict_New();
+#define PUT(k, v)                                                   \
+    do {                                                            \
+        PyObject *o_ = PyLong_FromUnsignedLongLong((uint64_t)(v)); \
+        PyDict_SetItemString(d, k, o_);                             \
+        Py_DECREF(o_);                                              \
+    } while (0)
+    PyObject *nm = PyUnicode_FromString(snap.name);
+    PyDict_SetItemString(d, "shm_name", nm);
+    Py_DECREF(nm);
+    PUT("capacity_bytes", (uint64_t)snap.n_pages * P);
+    PUT("page_size", P);
+    PUT("used_bytes", (uint64_t)(snap.n_pages - snap.free_pages) * P);
+    PUT("pages_total", snap.n_pages);
+    PUT("pages_free", snap.free_pages);
+    PUT("pages_reserved", snap.reserved_pages);
+    PUT("objects", snap.n_live);
+    PUT("object_bytes", snap.live_bytes);
+    PUT("disk_objects", snap.n_disk);
+    PUT("max_keys", snap.max_keys);
+    PUT("keys_used", snap.entries_used);
+    PUT("disk_capacity_bytes", snap.disk_capacity);
+    PUT("disk_file_bytes", snap.disk_file_bytes);
+    PUT("disk_object_bytes", snap.disk_live_bytes);
+    PUT("hits", snap.c_hits);
+    PUT("misses", snap.c_misses);
+    PUT("puts", snap.c_puts);
+    PUT("evictions", snap.c_evictions);
+    PUT("spills", snap.c_spills);
+    PUT("disk_hits", snap.c_disk_hits);
+    PUT("promotions", snap.c_promotions);
+    PUT("disk_drops", snap.c_disk_drops);
+    PUT("corrupt", snap.c_corrupt);
+    PUT("no_space", snap.c_no_space);
+    PUT("lock_recoveries", snap.c_lock_recoveries);
+    PUT("dead_reservations_reclaimed", snap.c_dead_reclaimed);
+    PUT("read_retries", snap.c_retries);
+    PUT("processes", live);
+    PUT("shm_resident_bytes", resident);
+    PUT("shm_size_bytes", snap.total_size);
+#undef PUT
+    return Py_BuildValue("(NN)", status_obj(ST_OK), d);
+}
+
+/* Check every invariant (after sweeping dead processes). Returns a list of problems. */
+static PyObject *Pool_check(Pool *p, PyObject *args) {
+    double t;
+    if (!PyArg_ParseTuple(args, "d", &t)) return NULL;
+    if (enter(p) < 0) return PyErr_Format(PyExc_RuntimeError, "pool closed");
+    char msg[4096] = {0};
+    size_t ml = 0;
+#define PROBLEM(...) ml += snprintf(msg + ml, ml < sizeof msg ? sizeof msg - ml : 0, __VA_ARGS__)
+    int st;
+    double deadline = arg_deadline(t);
+    Py_BEGIN_ALLOW_THREADS
+    st = pool_lock(p, deadline);
+    if (!st) {
+        sweep_dead(p);
+        hdr_t *h = p->h;
+        entry_t *E = ENT(p);
+        uint32_t *nx = NEXT(p);
+        uint8_t *seen = calloc(h->n_pages + 1, 1);
+        uint32_t owned = 0, nl = 0, nsp = 0, nd = 0, nr = 0, used = 0, rp = 0;
+        for (uint32_t i = 0; i < h->entries_hwm; i++) {
+            entry_t *e = &E[i];
+            if (e->state == E_FREE) continue;
+            used++;
+            if (e->state == E_LIVE) nl++;
+            if (e->state == E_SPILLING) nsp++;
+            if (e->state == E_DISK) nd++;
+            if (e->state == E_RESERVED) {
+                nr++;
+                rp += e->npages;
+            }
+            int hashed = e->state == E_LIVE || e->state == E_DISK || e->state == E_SPILLING;
+            if (hashed && find(p, e->key, e->keylen, e->hash) != i)
+                PROBLEM("entry %u not reachable by its key; ", i);
+            uint32_t pg = e->first_page;
+            for (uint32_t k = 0; k < e->npages; k++, pg = nx[pg]) {
+                if (pg >= h->n_pages || seen[pg]) {
+                    PROBLEM("entry %u bad/shared page; ", i);
+                    break;
+                }
+                seen[pg] = 1;
+                owned++;
+            }
+        }
+        uint32_t nfree = 0;
+        for (uint32_t pg = h->free_page_head; pg != NONE32 && nfree <= h->n_pages; pg = nx[pg]) {
+            if (seen[pg]) {
+                PROBLEM("free page %u also owned; ", pg);
+                break;
+            }
+            seen[pg] = 1;
+            nfree++;
+        }
+        if (nfree != h->free_pages) PROBLEM("free list %u != counter %u; ", nfree, h->free_pages);
+        if (owned + nfree != h->n_pages) PROBLEM("pages leaked: owned %u + free %u != %u; ", owned, nfree, h->n_pages);
+        if (nl + nsp != h->n_live) PROBLEM("live %u + spilling %u != counter %u; ", nl, nsp, h->n_live);
+        if (nd != h->n_disk) PROBLEM("disk %u != counter %u; ", nd, h->n_disk);
+        if (rp != h->reserved_pages) PROBLEM("reserved pages %u != counter %u; ", rp, h->reserved_pages);
+        if (used != h->entries_used) PROBLEM("entries %u != counter %u; ", used, h->entries_used);
+        uint32_t cnt = 0;
+        for (uint32_t i = h->lru_head; i != NONE32 && cnt <= h->max_keys; i = E[i].next) cnt++;
+        if (cnt != nl) PROBLEM("lru length %u != live %u; ", cnt, nl);
+        cnt = 0;
+        for (uint32_t i = h->disk_head; i != NONE32 && cnt <= h->max_keys; i = E[i].next) cnt++;
+        if (cnt != nd) PROBLEM("disk list length %u != disk %u; ", cnt, nd);
+        if (h->disk_file_bytes > h->disk_capacity) PROBLEM("disk bytes over capacity; ");
+        free(seen);
+        (void)nr;
+        pool_unlock(p);
+    }
+    Py_END_ALLOW_THREADS
+    leave(p);
+    if (st) return PyErr_Format(PyExc_TimeoutError, "could not lock the pool (status %d)", st);
+    return PyUnicode_FromString(msg);
+#undef PROBLEM
+}
+
+/* Test hook: flip one byte of a stored object (in DRAM or on disk). */
+static PyObject *Pool_debug_corrupt(Pool *p, PyObject *args) {
+    const char *key;
+    Py_ssize_t klen;
+    unsigned long long off = 0;
+    if (!PyArg_ParseTuple(args, "s#|K", &key, &klen, &off)) return NULL;
+    if (enter(p) < 0) Py_RETURN_FALSE;
+    int done = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (pool_lock(p, now_mono() + 5) == ST_OK) {
+        uint32_t i = find(p, key, (uint32_t)klen, key_hash(key, klen));
+        if (i != NONE32 && ENT(p)[i].size > 0) {
+            entry_t *e = &ENT(p)[i];
+            uint64_t o = off % e->size, P = p->h->page_size;
+            if (e->state == E_LIVE || e->state == E_SPILLING) {
+                uint32_t pg = e->first_page;
+                for (uint64_t k = 0; k < o / P; k++) pg = NEXT(p)[pg];
+                ARENA(p)[(uint64_t)pg * P + o % P] ^= 0x5a;
+                done = 1;
+            } else if (e->state == E_DISK) {
+                pthread_mutex_lock(&p->local);
+                int fd = seg_fd_locked(p, e->disk_seg, 0);
+                uint8_t c;
+                if (fd >= 0 && pread(fd, &c, 1, (off_t)(e->disk_off + o)) == 1) {
+                    c ^= 0x5a;
+                    done = pwrite(fd, &c, 1, (off_t)(e->disk_off + o)) == 1;
+                }
+                pthread_mutex_unlock(&p->local);
+            }
+        }
+        pool_unlock(p);
+    }
+    Py_END_ALLOW_THREADS
+    leave(p);
+    return PyBool_FromLong(done);
+}
+
+/* Test hook: hold the pool lock for `seconds` (to test timeouts and death while locked). */
+static PyObject *Pool_debug_hold_lock(Pool *p, PyObject *args) {
+    double secs;
+    if (!PyArg_ParseTuple(args, "d", &secs)) return NULL;
+    if (enter(p) < 0) Py_RETURN_FALSE;
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = pool_lock(p, now_mono() + 5) == ST_OK;
+    if (ok) {
+        atomic_store(&p->h->debug_holder, (int32_t)getpid());
+        usleep((useconds_t)(secs * 1e6));
+        atomic_store(&p->h->debug_holder, 0);
+        pool_unlock(p);
+    }
+    Py_END_ALLOW_THREADS
+    leave(p);
+    return PyBool_FromLong(ok);
+}
+
+/* Test hook: reserve space for `key` as a put does, then stall `seconds`
+ * before the copy (a writer caught mid-put), then finish the put with zeros. */
+static PyObject *Pool_debug_stall_put(Pool *p, PyObject *args) {
+    PyObject *key;
+    unsigned long long size;
+    double secs;
+    if (!PyArg_ParseTuple(args, "UKd", &key, &size, &secs)) return NULL;
+    if (enter(p) < 0) return status_obj(ST_UNAVAILABLE);
+    int st = ST_OK;
+    Py_ssize_t kl;
+    const char *ks = PyUnicode_AsUTF8AndSize(key, &kl);
+    uint64_t P = p->h->page_size, need = (size + P - 1) / P;
+    Py_BEGIN_ALLOW_THREADS
+    st = pool_lock(p, now_mono() + 5);
+    uint32_t e = NONE32;
+    if (!st) {
+        while (p->h->free_pages < need && evict_one(p, 1)) {}
+        e = p->h->free_pages >= need ? entry_alloc(p) : NONE32;
+        if (e == NONE32) st = ST_NO_SPACE;
+        else {
+            entry_t *en = &ENT(p)[e];
+            en->state = E_RESERVED;
+            en->owner = p->slot;
+            en->npages = (uint32_t)need;
+            en->size = size;
+            en->keylen = (uint32_t)kl;
+            memcpy(en->key, ks, kl);
+            en->hash = key_hash(ks, kl);
+            en->first_page = pages_alloc(p, (uint32_t)need);
+            en->version = ++p->h->next_version;
+            p->h->reserved_pages += (uint32_t)need;
+            atomic_store(&p->h->debug_holder, -(int32_t)getpid());
+        }
+        pool_unlock(p);
+    }
+    if (!st) {
+        usleep((useconds_t)(secs * 1e6));
+        if (pool_lock(p, now_mono() + 5) == ST_OK) {
+            entry_t *en = &ENT(p)[e];
+            if (en->state == E_RESERVED && en->owner == p->slot) reservation_drop(p, e);
+            atomic_store(&p->h->debug_holder, 0);
+            pool_unlock(p);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    leave(p);
+    return status_obj(st);
+}
+
+static PyObject *Pool_debug_delay(Pool *p, PyObject *args) {
+    double secs;
+    if (!PyArg_ParseTuple(args, "d", &secs)) return NULL;
+    atomic_store(&p->delay_s, secs > 0 ? secs : 0);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Pool_debug_spill_stall(Pool *p, PyObject *args) {
+    double secs;
+    if (!PyArg_ParseTuple(args, "d", &secs)) return NULL;
+    atomic_store(&p->spill_stall_s, secs > 0 ? secs : 0);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Pool_debug_holder(Pool *p, PyObject *noargs) {
+    if (!p->h || atomic_load(&p->closed)) return PyLong_FromLong(0);
+    return PyLong_FromLong(atomic_load(&p->h->debug_holder));
+}
+
+static PyObject *Pool_close(Pool *p, PyObject *args) {
+    int destroy = 0;
+    if (!PyArg_ParseTuple(args, "|p", &destroy)) return NULL;
+    if (atomic_exchange(&p->closed, 1)) Py_RETURN_NONE;
+    Py_BEGIN_ALLOW_THREADS
+    while (atomic_load(&p->busy)) usleep(100);
+    if (p->pid == getpid()) pool_detach(p, destroy);
+    else p->h = NULL; /* inherited from a parent: leave the parent's slot alone */
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *Pool_get_shm_name(Pool *p, void *c) { return PyUnicode_FromString(p->shm_name); }
+static PyObject *Pool_get_closed(Pool *p, void *c) { return PyBool_FromLong(atomic_load(&p->closed) || !p->h); }
+
+static PyMethodDef Pool_methods[] = {
+    {"exists", (PyCFunction)Pool_exists, METH_VARARGS, "exists(keys, timeout_s) -> [Status]"},
+    {"put", (PyCFunction)Pool_put, METH_VARARGS, "put(keys, regions, timeout_s) -> [Status]"},
+    {"get", (PyCFunction)Pool_get, METH_VARARGS, "get(keys, regions, timeout_s) -> [Status]"},
+    {"remove", (PyCFunction)Pool_remove, METH_VARARGS, "remove(keys, timeout_s) -> [Status]"},
+    {"scan", (PyCFunction)Pool_scan, METH_VARARGS,
+     "scan(prefix, remove, limit, timeout_s) -> (Status, count | [keys])"},
+    {"stats", (PyCFunction)Pool_stats, METH_VARARGS, "stats(timeout_s) -> (Status, dict)"},
+    {"check", (PyCFunction)Pool_check, METH_VARARGS, "check(timeout_s) -> '' or a description of problems"},
+    {"debug_corrupt", (PyCFunction)Pool_debug_corrupt, METH_VARARGS, "flip a byte of a stored object"},
+    {"debug_hold_lock", (PyCFunction)Pool_debug_hold_lock, METH_VARARGS, "hold the pool lock for seconds"},
+    {"debug_stall_put", (PyCFunction)Pool_debug_stall_put, METH_VARARGS, "reserve a put, then stall"},
+    {"debug_spill_stall", (PyCFunction)Pool_debug_spill_stall, METH_VARARGS,
+     "pause this handle's spills between their disk writes and finalizing them"},
+    {"debug_delay", (PyCFunction)Pool_debug_delay, METH_VARARGS, "make data calls of this handle slow"},
+    {"debug_holder", (PyCFunction)Pool_debug_holder, METH_NOARGS, "pid holding a debug hook (neg: stalled put)"},
+    {"close", (PyCFunction)Pool_close, METH_VARARGS, "close(destroy=False)"},
+    {NULL},
+};
+
+static PyGetSetDef Pool_getset[] = {
+    {"shm_name", (getter)Pool_get_shm_name, NULL, NULL, NULL},
+    {"closed", (getter)Pool_get_closed, NULL, NULL, NULL},
+    {NULL},
+};
+
+static PyTypeObject PoolType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ascendstore.local._shmpool.Pool",
+    .tp_basicsize = sizeof(Pool),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Pool_init,
+    .tp_dealloc = (destructor)Pool_dealloc,
+    .tp_methods = Pool_methods,
+    .tp_getset = Pool_getset,
+    .tp_doc = "A handle on a shared-memory KV pool (see module docs).",
+};
+
+static PyObject *mod_set_status_table(PyObject *m, PyObject *t) {
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < 7) {
+        PyErr_SetString(PyExc_TypeError, "expected a tuple of the 7 Status members");
+        return NULL;
+    }
+    Py_XDECREF(status_table);
+    Py_INCREF(t);
+    status_table = t;
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_unlink(PyObject *m, PyObject *arg) {
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) return NULL;
+    char path[200];
+    snprintf(path, sizeof path, "/ascendstore-pool.%s", name);
+    return PyBool_FromLong(shm_unlink(path) == 0);
+}
+
+/* checksum(data, pieces=(), scalar=False): the object checksum of a bytes-like
+ * object fed in pieces of the given lengths (for tests of the streaming form). */
+static PyObject *mod_checksum(PyObject *m, PyObject *args) {
+    Py_buffer buf;
+    PyObject *pieces = NULL;
+    int scalar = 0;
+    if (!PyArg_ParseTuple(args, "y*|Op", &buf, &pieces, &scalar)) return NULL;
+    int saved = ck_have_avx2;
+    if (scalar) ck_have_avx2 = 0;
+    ck_t c;
+    ck_init(&c);
+    size_t off = 0;
+    if (pieces) {
+        PyObject *f = PySequence_Fast(pieces, "pieces must be a sequence of ints");
+        if (!f) {
+            ck_have_avx2 = saved;
+            PyBuffer_Release(&buf);
+            return NULL;
+        }
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(f); i++) {
+            size_t n = PyLong_AsSize_t(PySequence_Fast_GET_ITEM(f, i));
+            if (n > (size_t)buf.len - off) n = (size_t)buf.len - off;
+            ck_update(&c, (const uint8_t *)buf.buf + off, n);
+            off += n;
+        }
+        Py_DECREF(f);
+    }
+    ck_update(&c, (const uint8_t *)buf.buf + off, (size_t)buf.len - off);
+    uint64_t h = ck_final(&c);
+    ck_have_avx2 = saved;
+    PyBuffer_Release(&buf);
+    if (PyErr_Occurred()) return NULL;
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+static PyObject *mod_entry_size(PyObject *m, PyObject *noargs) { return PyLong_FromSize_t(sizeof(entry_t)); }
+
+static PyMethodDef mod_methods[] = {
+    {"set_status_table", mod_set_status_table, METH_O, "results become these objects (index = code)"},
+    {"unlink", mod_unlink, METH_O, "remove a pool's shared-memory name (by pool name)"},
+    {"checksum", mod_checksum, METH_VARARGS, "checksum(data, pieces=(), scalar=False) -> int"},
+    {"entry_size", mod_entry_size, METH_NOARGS, "bytes of metadata per key slot"},
+    {NULL},
+};
+
+static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "_shmpool",
+                                 "Shared-memory KV pool core of the AscendStore local backend.", -1, mod_methods};
+
+PyMODINIT_FUNC PyInit__shmpool(void) {
+    ck_setup();
+    if (PyType_Ready(&PoolType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&mod);
+    if (!m) return NULL;
+    Py_INCREF(&PoolType);
+    PyModule_AddObject(m, "Pool", (PyObject *)&PoolType);
+    PyModule_AddIntConstant(m, "MAX_KEY_BYTES", MAX_KEY);
+    PyModule_AddIntConstant(m, "MAX_PROCESSES", MAX_PROCS);
+    return m;
+}

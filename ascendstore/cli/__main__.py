@@ -1,0 +1,3 @@
+from ascendstore.cli import main
+
+main()

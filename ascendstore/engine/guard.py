@@ -1,0 +1,159 @@
+"""A deadline around every backend call.
+
+The backend contract asks each call to return within ``timeout_s``, but a
+buggy or wedged client may not. The guard runs calls on its own small thread
+pool and stops waiting at the deadline: the caller gets TIMEOUT for those keys
+and carries on (recompute). A call that never returns keeps its thread; once
+``max_stuck`` threads are stuck the guard answers UNAVAILABLE at once instead
+of piling up more threads, so nothing in the engine ever waits forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from ascendstore.contract import Backend, Health, Region, Status
+from ascendstore.engine.metrics import EngineMetrics
+
+log = logging.getLogger(__name__)
+
+#: extra wait on top of the backend's own timeout before the guard gives up.
+GRACE_S = 0.05
+
+
+class BackendGuard:
+    def __init__(
+        self,
+        backend: Backend,
+        timeout_s: float,
+        *,
+        metrics: EngineMetrics | None = None,
+        max_stuck: int = 4,
+        name: str = "ascendstore-io",
+    ) -> None:
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.metrics = metrics or EngineMetrics()
+        self._max_stuck = max_stuck
+        self._stuck = 0
+        self._lock = threading.Lock()
+        # One spare thread per possible stuck call plus the working ones.
+        self._pool = ThreadPoolExecutor(max_workers=max_stuck + 4, thread_name_prefix=name)
+        self._closed = False
+        #: set once a call overran its deadline: the backend breaks its contract and
+        #: a stuck call may still write later (the transfer engine then bounces gets).
+        self.overran = False
+
+    @property
+    def capabilities(self):
+        return self.backend.capabilities
+
+    @property
+    def stuck_calls(self) -> int:
+        return self._stuck
+
+    def _unstuck(self, _fut: Future) -> None:
+        with self._lock:
+            self._stuck -= 1
+
+    def _call(self, op: str, n: int, args: tuple[Any, ...], timeout_s: float | None) -> list[Status]:
+        if n == 0:
+            return []
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        with self._lock:
+            if self._closed or self._stuck >= self._max_stuck:
+                self.metrics.add(unavailable=n)
+                return [Status.UNAVAILABLE] * n
+        fn = getattr(self.backend, op)
+        fut = self._pool.submit(fn, *args, timeout)
+        try:
+            result = fut.result(timeout=timeout + GRACE_S)
+        except FutureTimeout:
+            with self._lock:
+                self._stuck += 1
+                self.overran = True
+            fut.add_done_callback(self._unstuck)
+            log.warning("backend %s of %d keys overran %.3fs; reporting TIMEOUT", op, n, timeout)
+            self.metrics.add(timeouts=n)
+            return [Status.TIMEOUT] * n
+        except Exception:
+            log.exception("backend %s of %d keys raised; reporting UNAVAILABLE", op, n)
+            self.metrics.add(unavailable=n)
+            return [Status.UNAVAILABLE] * n
+        return self._check(op, result, n)
+
+    def _check(self, op: str, result: Any, n: int) -> list[Status]:
+        try:
+            out = [Status(s) for s in result]
+        except Exception:
+            out = []
+        if len(out) != n:
+            log.error("backend %s returned %r for %d keys; treating as INVALID", op, result, n)
+            return [Status.INVALID] * n
+        timeouts = sum(s is Status.TIMEOUT for s in out)
+        if timeouts:
+            self.metrics.add(timeouts=timeouts)
+        return out
+
+    # -- the contract, guarded ------------------------------------------------------
+    def exists(self, keys: Sequence[str], timeout_s: float | None = None) -> list[Status]:
+        return self._call("exists", len(keys), (list(keys),), timeout_s)
+
+    def put(self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float | None = None) -> list[Status]:
+        return self._call("put", len(keys), (list(keys), regions), timeout_s)
+
+    def get(self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float | None = None) -> list[Status]:
+        return self._call("get", len(keys), (list(keys), regions), timeout_s)
+
+    def remove(self, keys: Sequence[str], timeout_s: float | None = None) -> list[Status]:
+        return self._call("remove", len(keys), (list(keys),), timeout_s)
+
+    def remove_prefix(self, prefix: str, timeout_s: float | None = None) -> tuple[Status, int]:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        fut = self._pool.submit(self.backend.remove_prefix, prefix, timeout)
+        try:
+            return fut.result(timeout=timeout + GRACE_S)
+        except FutureTimeout:
+            return Status.TIMEOUT, 0
+        except Exception:
+            log.exception("backend remove_prefix(%r) raised", prefix)
+            return Status.UNAVAILABLE, 0
+
+    def register(self, regions: Sequence[Region]) -> Status:
+        fut = self._pool.submit(self.backend.register, list(regions))
+        try:
+            return Status(fut.result(timeout=max(self.timeout_s, 30.0)))
+        except FutureTimeout:
+            return Status.TIMEOUT
+        except Exception:
+            log.exception("backend register of %d regions raised", len(regions))
+            return Status.UNAVAILABLE
+
+    def health(self) -> Health:
+        fut = self._pool.submit(self.backend.health, self.timeout_s)
+        try:
+            return fut.result(timeout=self.timeout_s + GRACE_S)
+        except FutureTimeout:
+            return Health(Status.TIMEOUT)
+        except Exception as exc:
+            return Health(Status.UNAVAILABLE, {"error": repr(exc)})
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Close the backend (bounded) and let go of the threads."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        fut = self._pool.submit(self.backend.close)
+        try:
+            fut.result(timeout=timeout_s)
+        except FutureTimeout:
+            log.warning("backend close() overran %.1fs; abandoning it", timeout_s)
+        except Exception:
+            log.exception("backend close() raised")
+        self._pool.shutdown(wait=False, cancel_futures=True)

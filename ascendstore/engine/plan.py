@@ -1,0 +1,99 @@
+"""Chunks, keys, writer selection (dedup) and staggered read order.
+
+A chunk is ``blocks_per_chunk`` consecutive vLLM blocks; its hash is vLLM's
+chained block hash of its last block (see ``ascendstore.keys``), so a chunk
+key names the whole prefix up to and including that chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ascendstore.contract import Region
+from ascendstore.keys import PoolKey, RankPart
+
+
+def chunk_count(num_tokens: int, chunk_size: int) -> int:
+    """Full chunks in ``num_tokens`` tokens."""
+    return num_tokens // chunk_size
+
+
+@dataclass(frozen=True)
+class KeyBuilder:
+    """Builds key text for one rank (or for every rank, for lookups)."""
+
+    fingerprint: str
+    rank: RankPart
+    layerwise: bool = False
+    num_layers: int = 1
+    #: rank parts whose objects must all exist for a chunk to count as a hit.
+    all_ranks: tuple[RankPart, ...] = ()
+
+    def key(self, tenant: str, chunk_hash: str, layer: int | None = None) -> str:
+        return PoolKey(tenant, self.fingerprint, self.rank, chunk_hash, layer).text()
+
+    def keys(self, tenant: str, chunk_hashes: Sequence[str]) -> list[str]:
+        return [self.key(tenant, h) for h in chunk_hashes]
+
+    def layer_keys(self, tenant: str, chunk_hash: str) -> list[str]:
+        return [self.key(tenant, chunk_hash, layer) for layer in range(self.num_layers)]
+
+    def lookup_keys(self, tenant: str, chunk_hash: str) -> list[str]:
+        """Every object that must be present for this chunk to be loadable."""
+        ranks = self.all_ranks or (self.rank,)
+        layers: Sequence[int | None] = range(self.num_layers) if self.layerwise else (None,)
+        return [PoolKey(tenant, self.fingerprint, r, chunk_hash, lay).text() for r in ranks for lay in layers]
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """Ranks that hold identical KV (MLA, or fewer KV heads than TP ranks).
+
+    ``size`` consecutive TP ranks form a group; ``index`` is this rank's place
+    in it. Exactly one rank of a group writes each chunk, round robin over the
+    chunk's absolute index so writes spread evenly and every rank agrees.
+    """
+
+    size: int = 1
+    index: int = 0
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.index < self.size:
+            raise ValueError(f"bad replica group size={self.size} index={self.index}")
+
+    def writes(self, chunk_index: int) -> bool:
+        return chunk_index % self.size == self.index
+
+    @classmethod
+    def for_tp(cls, tp_rank: int, tp_size: int, replicas: int) -> ReplicaGroup:
+        replicas = max(1, min(replicas, tp_size))
+        return cls(replicas, tp_rank % replicas)
+
+
+def stagger(items: Sequence, index: int, size: int) -> list:
+    """Rotate a read list so ranks reading the same chunks start apart.
+
+    Rank ``index`` of ``size`` starts ``index/size`` of the way along, so no
+    storage node is hit by every rank for the same object at once."""
+    n = len(items)
+    if n <= 1 or size <= 1:
+        return list(items)
+    shift = (index * n) // size
+    return list(items[shift:]) + list(items[:shift])
+
+
+@dataclass
+class ChunkOp:
+    """One object to move: key, regions in order, and the device blocks it fills."""
+
+    key: str
+    regions: list[Region]
+    block_ids: list[int]
+    chunk_index: int = 0
+    layer: int | None = None
+    nbytes: int = field(default=0)
+
+    def __post_init__(self) -> None:
+        if not self.nbytes:
+            self.nbytes = sum(r.length for r in self.regions)

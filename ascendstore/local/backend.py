@@ -1,0 +1,165 @@
+"""The embedded ``local`` backend: a node-wide DRAM pool in POSIX shared memory.
+
+A thin translation of the contract onto :mod:`ascendstore.local._shmpool`, whose
+C core does each batch in one call (lock, index, LRU, copies without the GIL).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from ascendstore.contract import (
+    Backend,
+    BackendContext,
+    BackendOptions,
+    BackendSetupError,
+    Capabilities,
+    Health,
+    Region,
+    Status,
+)
+from ascendstore.local import _shmpool
+from ascendstore.local.options import LocalOptions
+
+_shmpool.set_status_table(tuple(Status))
+
+
+class LocalHooks:
+    """Fault injection for tests and the conformance suite (never used in serving)."""
+
+    def __init__(self, pool: _shmpool.Pool) -> None:
+        self._pool = pool
+
+    def delay(self, seconds: float) -> None:
+        """Every later data call of this client acts as if the store took ``seconds``."""
+        self._pool.debug_delay(seconds)
+
+    def corrupt(self, key: str, offset: int = 0) -> bool:
+        """Flip a stored byte of ``key`` (in DRAM or on disk); False if absent."""
+        return self._pool.debug_corrupt(key, offset)
+
+    def hold_lock(self, seconds: float) -> bool:
+        """Hold the pool lock (blocks every process) for ``seconds``."""
+        return self._pool.debug_hold_lock(seconds)
+
+    def stall_put(self, key: str, size: int, seconds: float) -> Status:
+        """Reserve pages for a put of ``size`` bytes, then stall before copying."""
+        return self._pool.debug_stall_put(key, size, seconds)
+
+    def stall_spills(self, seconds: float) -> None:
+        """This client's spills to the disk tier pause ``seconds`` after writing,
+        before the victims leave DRAM (0 turns it off)."""
+        self._pool.debug_spill_stall(seconds)
+
+    def holder(self) -> int:
+        """pid in hold_lock (negative: in stall_put or a stalled spill), 0 if none; read without the lock."""
+        return self._pool.debug_holder()
+
+    def check(self, timeout_s: float = 5.0) -> str:
+        """Sweep dead processes, then verify every pool invariant; '' when consistent."""
+        return self._pool.check(timeout_s)
+
+
+class LocalBackend(Backend):
+    """DRAM pool in shared memory, shared by every process of the node."""
+
+    Options = LocalOptions
+
+    def __init__(self, pool: _shmpool.Pool, options: LocalOptions, ctx: BackendContext) -> None:
+        self._pool = pool
+        self.options = options
+        self._ctx = ctx
+        self._caps = Capabilities(
+            zero_copy=False,
+            layerwise=True,
+            shared_across_processes=True,
+            shared_across_nodes=False,
+            persistent=False,
+            evicts=True,
+            overwrite_on_put=True,
+            detects_corruption=options.checksum,
+            remove_by_prefix=True,
+            listing=True,
+            scheduler_client=True,
+            empty_objects=True,
+            max_key_bytes=_shmpool.MAX_KEY_BYTES,
+            max_object_bytes=options.pages * options.page_size,
+        )
+
+    @classmethod
+    def create(cls, options: BackendOptions, ctx: BackendContext) -> LocalBackend:
+        if not isinstance(options, LocalOptions):
+            options = LocalOptions.model_validate(options.model_dump() if options else {})
+        if options.disk_path is not None:
+            try:
+                os.makedirs(options.disk_path, exist_ok=True)
+            except OSError as exc:
+                raise BackendSetupError(
+                    f"local backend: cannot use disk_path {options.disk_path!r}: {exc}"
+                ) from exc
+        try:
+            pool = _shmpool.Pool(
+                options.name,
+                options.capacity,
+                options.page_size,
+                options.effective_max_keys,
+                options.checksum,
+                options.disk_path,
+                options.disk_capacity if options.disk_path else 0,
+                options.effective_segment_size,
+                options.open_timeout_s,
+                options.unlink_on_last_close,
+                options.prefault,
+            )
+        except (OSError, ValueError) as exc:
+            raise BackendSetupError(f"local backend (pool {options.name!r}): {exc}") from exc
+        return cls(pool, options, ctx)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    @property
+    def shm_name(self) -> str:
+        """The segment's name under /dev/shm."""
+        return self._pool.shm_name.lstrip("/")
+
+    def exists(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
+        return self._pool.exists(keys, timeout_s)
+
+    def put(self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float) -> list[Status]:
+        return self._pool.put(keys, regions, timeout_s)
+
+    def get(self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float) -> list[Status]:
+        return self._pool.get(keys, regions, timeout_s)
+
+    def remove(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
+        return self._pool.remove(keys, timeout_s)
+
+    def remove_prefix(self, prefix: str, timeout_s: float) -> tuple[Status, int]:
+        return self._pool.scan(prefix, True, -1, timeout_s)
+
+    def list_keys(self, prefix: str = "", limit: int = 1000) -> Iterator[str]:
+        status, keys = self._pool.scan(prefix, False, limit, self._ctx.timeout_s)
+        return iter(keys if status is Status.OK else ())
+
+    def stats(self) -> Mapping[str, Any]:
+        status, stats = self._pool.stats(self._ctx.timeout_s)
+        return stats if status is Status.OK else {"status": status.name}
+
+    def health(self, timeout_s: float) -> Health:
+        status, stats = self._pool.stats(timeout_s)
+        return Health(status, stats)
+
+    def test_hooks(self) -> LocalHooks:
+        return LocalHooks(self._pool)
+
+    def close(self) -> None:
+        """Detach; the last process to close (with unlink_on_last_close) frees the pool."""
+        self._pool.close(False)
+
+    def destroy(self) -> None:
+        """Remove the pool now for every process (they then get UNAVAILABLE)."""
+        self._pool.close(True)

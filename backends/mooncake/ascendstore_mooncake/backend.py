@@ -1,0 +1,512 @@
+"""AscendStore backend over Mooncake Store (``mooncake.store.MooncakeDistributedStore``).
+
+A thin translation of the contract: zero-copy batched puts and gets from
+registered memory (one key may span several regions), batched exists, remove
+by keys and by prefix, health. What Mooncake does differently from the
+contract's defaults is declared in ``capabilities`` rather than hidden:
+
+* a put of an existing key returns success and keeps the *first* value;
+* reads and exists() grant a read lease (10 s by default) that blocks eviction
+  and plain removal, so exists() answers are reused briefly instead of renewing
+  leases on every scheduler step (Mooncake issue #2187);
+* objects live in the memory of the clients that mounted segments and in the
+  master's memory map: a master restart loses every key (reads then miss).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ascendstore.contract import (
+    Backend,
+    BackendContext,
+    BackendSetupError,
+    Capabilities,
+    Health,
+    Region,
+    Status,
+)
+from ascendstore_mooncake.errors import OBJECT_NOT_FOUND, TRANSFER_FAIL, status_of
+from ascendstore_mooncake.guard import NativeGuard, Outcome
+from ascendstore_mooncake.options import MooncakeOptions, resolve_options
+
+log = logging.getLogger(__name__)
+
+_QUARANTINE: list[Any] = []
+
+
+def _quarantine(store: Any) -> None:
+    """Keep a client that failed set-up, or could not be closed, alive forever.
+
+    Its methods can crash the process (after a failed set-up) and its destructor
+    unmounts through the master while holding the GIL (17 s measured with the
+    master gone), so it must never be called nor garbage-collected, not even
+    at interpreter exit: hold an extra reference the interpreter never drops.
+    """
+    _QUARANTINE.append(store)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))
+_SCHEDULER_BUFFER = 16 << 20
+_SETUP_HINTS: dict[int | None, str] = {
+    -1: "Check that mooncake_master runs at that address and that this host can reach it.",
+    -600: "Mooncake rejected the parameters: check protocol/device_name (RDMA devices present?) and sizes.",
+    None: "Check the master address, the protocol and its devices.",
+}
+_HEALTH_CODES = {0: "ok", 1: "not initialised or closed", 2: "master unreachable"}
+
+
+def _import_store() -> tuple[Any, Any]:
+    try:
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+    except ImportError as exc:
+        hint = ""
+        if "libibverbs" in str(exc) or "libnl" in str(exc):
+            hint = " Install the system libraries: apt-get install libibverbs1 libnl-3-200 libnl-route-3-200."
+        raise BackendSetupError(
+            f"backend 'mooncake' needs Mooncake's Python client (mooncake.store) and it does not import: "
+            f"{exc}.{hint} Install mooncake-transfer-engine-non-cuda (CPU), mooncake-transfer-engine-npu "
+            "(Ascend) or mooncake-transfer-engine (CUDA)."
+        ) from exc
+    return MooncakeDistributedStore, ReplicateConfig
+
+
+def _route_address(master: str) -> str:
+    """The local address the OS uses to reach the master: what peers can dial back."""
+    host = master.rpartition(":")[0].strip("[]")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # UDP connect sends nothing; it only picks a route
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def _probe_master(address: str, timeout_s: float) -> None:
+    """Fail fast, before Mooncake's set-up, when nothing listens at the master address.
+
+    Mooncake's setup() holds the GIL while it retries (4.4 s per try without a
+    master, 30 s against a port that accepts but never answers), so no thread
+    can bound it: a plain TCP connect first turns the common case (master not
+    running, wrong address) into an immediate, clear error.
+    """
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise BackendSetupError(
+            f"cannot reach mooncake_master at master_server_address={address!r}: {exc}. "
+            "Start mooncake_master there (e.g. mooncake_master --rpc_port=50051) or fix the address "
+            "(backend_config, mooncake.json or env MOONCAKE_MASTER)."
+        ) from None
+
+
+def _regex_prefix(prefix: str) -> str:
+    """Anchored regex matching keys that start with ``prefix`` literally.
+
+    Mooncake compiles it with std::regex; ``\\xhh`` escapes are understood by
+    that dialect and by Python's, so every non-alphanumeric byte is escaped so.
+    """
+    return "^" + "".join(c if c.isascii() and c.isalnum() else f"\\x{ord(c):02x}" for c in prefix)
+
+
+class MooncakeBackend(Backend):
+    """``backend: mooncake``."""
+
+    Options = MooncakeOptions
+
+    @classmethod
+    def create(cls, options: MooncakeOptions | Mapping[str, Any] | None, ctx: BackendContext) -> MooncakeBackend:
+        opts = resolve_options(options)  # mooncake.json and env merged under backend_config
+        return cls(opts, ctx)
+
+    def __init__(self, opts: MooncakeOptions, ctx: BackendContext) -> None:
+        self.options = opts
+        self.ctx = ctx
+        store_cls, replicate_cls = _import_store()
+        # The scheduler only asks which keys exist; it lends no memory to the pool.
+        scheduler = ctx.role == "scheduler"
+        self._segment = 0 if scheduler else opts.global_segment_size
+        buffer = min(opts.local_buffer_size, _SCHEDULER_BUFFER) if scheduler else opts.local_buffer_size
+        self._hostname = opts.local_hostname or _route_address(opts.master_server_address or "")
+        # Bound Mooncake's own set-up loop (20 tries, 90 s without a master, by default).
+        if "setup_retries" in opts.model_fields_set or "MC_STORE_CLIENT_SETUP_RETRIES" not in os.environ:
+            os.environ["MC_STORE_CLIENT_SETUP_RETRIES"] = str(opts.setup_retries)
+
+        self._guard = NativeGuard(opts.max_inflight_calls)
+        self._close_lock = threading.Lock()
+        self._exists_cache: dict[str, float] = {}
+        self._cache_lock = threading.Lock()
+        self._counters = {"late_put_cleanups": 0, "exists_cache_hits": 0}
+        self._delay_s = 0.0
+
+        _probe_master(opts.master_server_address or "", min(opts.setup_timeout_s, 5.0))
+        store = store_cls()
+        args = (
+            self._hostname,
+            opts.metadata_server,
+            self._segment,
+            buffer,
+            opts.protocol,
+            opts.device_name,
+            opts.master_server_address,
+            None,
+            opts.enable_ssd_offload,
+            opts.ssd_offload_path,
+            opts.tenant_id,
+            opts.enable_client_http_server,
+            opts.client_http_port,
+        )
+        started = time.monotonic()
+        outcome, rc = self._guard.call(lambda: store.setup(*args), opts.setup_timeout_s)
+        if outcome is not Outcome.DONE or rc != 0:
+            _quarantine(store)
+            self._guard.close(0)
+            what = (
+                f"did not finish within setup_timeout_s={opts.setup_timeout_s}"
+                if outcome is not Outcome.DONE
+                else f"returned {rc}"
+            )
+            raise BackendSetupError(
+                f"Mooncake client set-up {what} after {time.monotonic() - started:.1f} s "
+                f"(master_server_address={opts.master_server_address!r}, protocol={opts.protocol!r}, "
+                f"device_name={opts.device_name!r}, metadata_server={opts.metadata_server!r}, "
+                f"local_hostname={self._hostname!r}, global_segment_size={self._segment}). "
+                f"{_SETUP_HINTS.get(rc, _SETUP_HINTS[None])} Mooncake's log above has the details. "
+                "The failed client is never called again (Mooncake crashes when used after a failed set-up)."
+            )
+        self._store = store
+        self._replicate = replicate_cls()
+        self._replicate.replica_num = opts.replica_num
+        if opts.preferred_segment:
+            self._replicate.preferred_segment = opts.preferred_segment
+        self._replicate.prefer_alloc_in_same_node = opts.prefer_alloc_in_same_node
+        self._caps = Capabilities(
+            zero_copy=True,
+            layerwise=True,
+            shared_across_processes=True,
+            shared_across_nodes=True,
+            persistent=False,
+            evicts=True,
+            overwrite_on_put=False,
+            detects_corruption=False,
+            remove_by_prefix=True,
+            listing=False,
+            device_memory=opts.protocol != "tcp" and ctx.device_type in ("npu", "cuda"),
+            needs_registration=opts.protocol != "tcp",
+            scheduler_client=True,
+            empty_objects=False,
+            max_key_bytes=4096,
+            # An object must fit in one segment's free space: promise half of ours.
+            max_object_bytes=(self._segment // 2) or (1 << 30),
+        )
+        log.info(
+            "mooncake backend ready: master=%s protocol=%s segment=%d buffer=%d host=%s",
+            opts.master_server_address, opts.protocol, self._segment, buffer, self._hostname,
+        )
+
+    # -- helpers -------------------------------------------------------------------
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    def _key_ok(self, key: str) -> bool:
+        return bool(key) and key.isascii() and len(key) <= self._caps.max_key_bytes
+
+    def _guarded(self, fn: Any, timeout_s: float, on_late: Any = None) -> tuple[Status | None, Any]:
+        """Run fn(store) bounded; (None, result) on success else (status for every key, None).
+
+        Each call first reads the client's cached master state (microseconds) so
+        that with the master known down it fails fast instead of blocking ~4 s.
+        """
+        store = self._store
+
+        def task() -> Any:
+            if self._delay_s:
+                time.sleep(self._delay_s)  # test hook: a slow store
+            if store.health_check() == 2:
+                return _MASTER_DOWN
+            return fn(store)
+
+        outcome, result = self._guard.call(task, timeout_s, on_late)
+        if outcome is Outcome.CLOSED:
+            return Status.UNAVAILABLE, None
+        if outcome is Outcome.TIMEOUT:
+            self._forget_all()
+            return Status.TIMEOUT, None
+        if result is _MASTER_DOWN:
+            self._forget_all()
+            return Status.UNAVAILABLE, None
+        return None, result
+
+    def _forget_all(self) -> None:
+        with self._cache_lock:
+            self._exists_cache.clear()
+
+    def _forget_on_failure(self, out: Sequence[Status | None]) -> None:
+        # An unreachable master may come back empty: cached answers are then stale.
+        if any(s in (Status.UNAVAILABLE, Status.TIMEOUT) for s in out):
+            self._forget_all()
+
+    def _forget(self, keys: Sequence[str]) -> None:
+        with self._cache_lock:
+            for k in keys:
+                self._exists_cache.pop(k, None)
+
+    def _plan(
+        self, keys: Sequence[str], regions: Sequence[Sequence[Region]]
+    ) -> tuple[list[Status | None], list[int]]:
+        """Per-key INVALID for what Mooncake would reject; indexes of keys to send."""
+        out: list[Status | None] = [None] * len(keys)
+        send = []
+        if len(keys) != len(regions):
+            raise ValueError(f"{len(keys)} keys but {len(regions)} region lists")
+        limit = self._caps.max_object_bytes
+        for i, (k, rs) in enumerate(zip(keys, regions, strict=True)):
+            total = sum(r.length for r in rs)
+            if not self._key_ok(k) or not rs or total == 0 or total > limit:
+                out[i] = Status.INVALID
+            else:
+                send.append(i)
+        return out, send
+
+    # -- memory ----------------------------------------------------------------------
+
+    def register(self, regions: Sequence[Region]) -> Status:
+        if not self._caps.needs_registration:
+            return Status.OK  # TCP copies from any address
+        return self._buffers(regions, register=True)
+
+    def unregister(self, regions: Sequence[Region]) -> Status:
+        if not self._caps.needs_registration:
+            return Status.OK
+        return self._buffers(regions, register=False)
+
+    def _buffers(self, regions: Sequence[Region], register: bool) -> Status:
+        def fn(store: Any) -> list[int]:
+            if register:
+                return [store.register_buffer(r.addr, r.length) for r in regions]
+            return [store.unregister_buffer(r.addr) for r in regions]
+
+        # Registering large regions pins memory and can take a while: use the set-up bound.
+        status, codes = self._guarded(fn, self.options.setup_timeout_s)
+        if status is not None:
+            return status
+        bad = [c for c in codes if c != 0]
+        return Status.OK if not bad else status_of(bad[0]) if bad[0] < 0 else Status.UNAVAILABLE
+
+    # -- data path ---------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
+        if self._guard.closed:
+            return [Status.UNAVAILABLE] * len(keys)
+        out: list[Status | None] = [None if self._key_ok(k) else Status.INVALID for k in keys]
+        ttl = self.options.exists_cache_ttl_s
+        now = time.monotonic()
+        if ttl > 0:
+            with self._cache_lock:
+                for i, k in enumerate(keys):
+                    seen = self._exists_cache.get(k)
+                    if out[i] is None and seen is not None and now - seen < ttl:
+                        out[i] = Status.OK
+                        self._counters["exists_cache_hits"] += 1
+        ask = [i for i, s in enumerate(out) if s is None]
+        if ask:
+            names = [keys[i] for i in ask]
+            status, codes = self._guarded(lambda st: st.batch_is_exist(names), timeout_s)
+            for j, i in enumerate(ask):
+                if status is not None:
+                    out[i] = status
+                elif codes[j] == 1:
+                    out[i] = Status.OK
+                elif codes[j] == 0:
+                    out[i] = Status.NOT_FOUND
+                else:
+                    out[i] = status_of(codes[j]) if codes[j] < 0 else Status.UNAVAILABLE
+            self._forget_on_failure(out)
+            if ttl > 0:
+                with self._cache_lock:
+                    for i in ask:
+                        if out[i] is Status.OK:
+                            self._exists_cache[keys[i]] = now
+                    if len(self._exists_cache) > 65536:  # bounded: drop the oldest half
+                        for k in sorted(self._exists_cache, key=self._exists_cache.get)[:32768]:
+                            del self._exists_cache[k]
+        return _filled(out, Status.UNAVAILABLE)
+
+    def put(self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float) -> list[Status]:
+        out, send = self._plan(keys, regions)
+        if not send:
+            return _filled(out, Status.INVALID)
+        names = [keys[i] for i in send]
+        ptrs = [[r.addr for r in regions[i]] for i in send]
+        sizes = [[r.length for r in regions[i]] for i in send]
+        cfg = self._replicate
+
+        def late(codes: Any) -> None:
+            # The caller was told TIMEOUT and may have reused its memory while Mooncake
+            # was still copying from it: an object written now could hold mixed bytes.
+            if codes is _MASTER_DOWN:
+                return
+            done = [k for k, c in zip(names, codes, strict=False) if c == 0]
+            if done:
+                self._counters["late_put_cleanups"] += len(done)
+                self._guard.run_detached(lambda: self._store.batch_remove(done, True))
+
+        status, codes = self._guarded(
+            lambda st: st.batch_put_from_multi_buffers(names, ptrs, sizes, cfg), timeout_s, late
+        )
+        for j, i in enumerate(send):
+            out[i] = status if status is not None else status_of(codes[j])
+        self._forget_on_failure(out)
+        return _filled(out, Status.UNAVAILABLE)
+
+    def get(self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float) -> list[Status]:
+        out, send = self._plan(keys, regions)
+        if not send:
+            return _filled(out, Status.INVALID)
+        names = [keys[i] for i in send]
+        ptrs = [[r.addr for r in regions[i]] for i in send]
+        sizes = [[r.length for r in regions[i]] for i in send]
+        totals = [sum(s) for s in sizes]
+        same_node = self.options.prefer_alloc_in_same_node
+
+        def fn(st: Any) -> list[int]:
+            codes = list(st.batch_get_into_multi_buffers(names, ptrs, sizes, same_node))
+            # Regions larger than the object make Mooncake report a transfer failure;
+            # tell that apart from a real one (only on this failure path: get_size
+            # is another master round trip).
+            for j, c in enumerate(codes):
+                if c == TRANSFER_FAIL:
+                    size = st.get_size(names[j])
+                    if size >= 0 and size != totals[j]:
+                        codes[j] = _SIZE_MISMATCH
+                    elif size == OBJECT_NOT_FOUND:
+                        codes[j] = OBJECT_NOT_FOUND
+            return codes
+
+        status, codes = self._guarded(fn, timeout_s)
+        missing = []
+        for j, i in enumerate(send):
+            if status is not None:
+                out[i] = status
+            elif codes[j] == _SIZE_MISMATCH or (codes[j] >= 0 and codes[j] != totals[j]):
+                out[i] = Status.INVALID
+            else:
+                out[i] = status_of(codes[j])
+                if out[i] is Status.NOT_FOUND:
+                    missing.append(names[j])
+        self._forget(missing)
+        self._forget_on_failure(out)
+        return _filled(out, Status.UNAVAILABLE)
+
+    def remove(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
+        out: list[Status | None] = [None if self._key_ok(k) else Status.INVALID for k in keys]
+        ask = [i for i, s in enumerate(out) if s is None]
+        names = [keys[i] for i in ask]
+        self._forget(names)
+        if names:
+            force = self.options.force_remove
+            status, codes = self._guarded(lambda st: st.batch_remove(names, force), timeout_s)
+            for j, i in enumerate(ask):
+                out[i] = status if status is not None else status_of(codes[j])
+        return _filled(out, Status.UNAVAILABLE)
+
+    def remove_prefix(self, prefix: str, timeout_s: float) -> tuple[Status, int]:
+        if not prefix.isascii():
+            return Status.INVALID, 0
+        with self._cache_lock:
+            for k in [k for k in self._exists_cache if k.startswith(prefix)]:
+                del self._exists_cache[k]
+        pattern = _regex_prefix(prefix)
+        force = self.options.force_remove
+        status, count = self._guarded(lambda st: st.remove_by_regex(pattern, force), timeout_s)
+        if status is not None:
+            return status, 0
+        return (Status.OK, count) if count >= 0 else (status_of(count), 0)
+
+    # -- service -------------------------------------------------------------------------
+
+    def health(self, timeout_s: float) -> Health:
+        detail: dict[str, Any] = {
+            "master": self.options.master_server_address,
+            "protocol": self.options.protocol,
+            "segment_bytes": self._segment,
+        }
+        outcome, code = self._guard.call(lambda: self._store.health_check(), timeout_s)
+        if outcome is Outcome.CLOSED:
+            return Health(Status.UNAVAILABLE, {**detail, "reason": "closed"})
+        if outcome is Outcome.TIMEOUT:
+            return Health(Status.TIMEOUT, {**detail, "reason": "health_check did not answer"})
+        detail["mooncake_health"] = _HEALTH_CODES.get(code, str(code))
+        return Health(Status.OK if code == 0 else Status.UNAVAILABLE, detail)
+
+    def stats(self) -> Mapping[str, Any]:
+        return {
+            "inflight_calls": self._guard.inflight,
+            "timeouts": self._guard.timeouts,
+            "late_completions": self._guard.late_completions,
+            **self._counters,
+        }
+
+    def test_hooks(self) -> _Hooks:
+        return _Hooks(self)
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._guard.closed:
+                return
+            limit = self.options.close_timeout_s
+            started = time.monotonic()
+            store = self._store
+            self._forget_all()
+            if not self._guard.close(limit):
+                # A native call is stuck; closing under it could crash. Leave the client be.
+                _quarantine(store)
+                log.warning("mooncake: calls still running after %.1f s; client left open", limit)
+                return
+            if store.health_check() == 2:
+                # close() unmounts through the master while holding the GIL: 17 s measured
+                # with the master gone, freezing every thread. The master forgets this
+                # client by itself (client_ttl), so skip the native close.
+                _quarantine(store)
+                log.warning("mooncake: master unreachable at close; client abandoned, not closed")
+                return
+            done = threading.Event()
+
+            def shut() -> None:
+                try:
+                    store.close()
+                finally:
+                    done.set()
+
+            threading.Thread(target=shut, name="mooncake-close", daemon=True).start()
+            if not done.wait(max(0.0, limit - (time.monotonic() - started))):
+                _quarantine(store)
+                log.warning("mooncake: close did not finish within %.1f s", limit)
+
+
+class _Hooks:
+    """Conformance fault injection: a slow store (data calls sleep on the native threads)."""
+
+    def __init__(self, backend: MooncakeBackend) -> None:
+        self._backend = backend
+
+    def delay(self, seconds: float) -> None:
+        self._backend._delay_s = max(0.0, seconds)
+
+
+def _filled(out: list[Status | None], default: Status) -> list[Status]:
+    # Status.OK is 0, so never `s or default`
+    return [default if s is None else s for s in out]
+
+
+_MASTER_DOWN = object()
+_SIZE_MISMATCH = -(10**9)

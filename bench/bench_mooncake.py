@@ -1,0 +1,183 @@
+"""The Mooncake backend against the raw Mooncake client, measured in the same run.
+
+Starts its own ``mooncake_master`` on 127.0.0.1 and one client, then times
+batched zero-copy puts and gets of the same objects two ways, alternating rounds
+on the same connection: through ``MooncakeBackend`` (contract translation, bounded
+native threads, status mapping) and straight through the client's
+``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``. The ratio is
+the cost of our layer. Every put writes fresh keys (a duplicate put is a no-op in
+Mooncake and would flatter both sides); the keys are removed outside the timing.
+
+Mooncake clients listen on all interfaces, so the script re-runs itself in a
+private network namespace (``unshare -n``, needs root) unless it is in one.
+
+    .venv/bin/python bench/bench_mooncake.py [--rounds 5] [--json]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ascendstore.contract import BackendContext, Region, Status
+from ascendstore.registry import create_backend
+
+KiB, MiB = 1 << 10, 1 << 20
+BATCH = 32
+app = typer.Typer(add_completion=False)
+
+
+def _in_private_netns() -> bool:
+    return [n for _, n in socket.if_nameindex()] == ["lo"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_master() -> tuple[subprocess.Popen[bytes], str]:
+    binary = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [binary, "--rpc_address=127.0.0.1", f"--rpc_port={port}", "--metrics_host=127.0.0.1",
+         f"--metrics_port={_free_port()}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc, f"127.0.0.1:{port}"
+        time.sleep(0.02)
+    proc.kill()
+    raise RuntimeError("mooncake_master did not start")
+
+
+def _median_rate(timed: Callable[[], float], nbytes: int, rounds: int) -> float:
+    """GB/s from the median of `rounds` timed batches."""
+    return nbytes / statistics.median(timed() for _ in range(rounds)) / 1e9
+
+
+def _measure(size: int, rounds: int, address: str) -> dict[str, float]:
+    backend = create_backend(
+        "mooncake",
+        {"master_server_address": address, "local_hostname": "127.0.0.1", "global_segment_size": 4 * BATCH * size
+         + 64 * MiB, "local_buffer_size": 16 * MiB, "exists_cache_ttl_s": 0},
+        BackendContext(role="worker"),
+    )
+    raw = backend._store  # the same connected client, called directly
+    cfg = backend._replicate
+    src = np.random.default_rng(size).integers(0, 256, BATCH * size, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    regions = [[Region(src.ctypes.data + i * size, size)] for i in range(BATCH)]
+    dregions = [[Region(dst.ctypes.data + i * size, size)] for i in range(BATCH)]
+    ptrs = [[r[0].addr] for r in regions]
+    dptrs = [[r[0].addr] for r in dregions]
+    sizes = [[size]] * BATCH
+    total = BATCH * size
+    counter = iter(range(10**9))
+
+    def fresh() -> list[str]:
+        n = next(counter)
+        return [f"bench/{size}/{n}/{i}" for i in range(BATCH)]
+
+    def put_ours() -> float:
+        keys = fresh()
+        t0 = time.perf_counter()
+        st = backend.put(keys, regions, 10.0)
+        dt = time.perf_counter() - t0
+        assert st == [Status.OK] * BATCH, st
+        raw.batch_remove(keys, True)
+        return dt
+
+    def put_raw() -> float:
+        keys = fresh()
+        t0 = time.perf_counter()
+        rc = raw.batch_put_from_multi_buffers(keys, ptrs, sizes, cfg)
+        dt = time.perf_counter() - t0
+        assert list(rc) == [0] * BATCH, rc
+        raw.batch_remove(keys, True)
+        return dt
+
+    stored = fresh()
+    assert backend.put(stored, regions, 10.0) == [Status.OK] * BATCH
+
+    def get_ours() -> float:
+        t0 = time.perf_counter()
+        st = backend.get(stored, dregions, 10.0)
+        dt = time.perf_counter() - t0
+        assert st == [Status.OK] * BATCH, st
+        return dt
+
+    def get_raw() -> float:
+        t0 = time.perf_counter()
+        rc = raw.batch_get_into_multi_buffers(stored, dptrs, sizes, False)
+        dt = time.perf_counter() - t0
+        assert list(rc) == [size] * BATCH, rc
+        return dt
+
+    out: dict[str, list[float]] = {k: [] for k in ("put_ours", "put_raw", "get_ours", "get_raw")}
+    for _ in range(rounds):  # alternate: the host is shared and noisy
+        out["put_raw"].append(_median_rate(put_raw, total, 3))
+        out["put_ours"].append(_median_rate(put_ours, total, 3))
+        out["get_raw"].append(_median_rate(get_raw, total, 3))
+        out["get_ours"].append(_median_rate(get_ours, total, 3))
+    assert np.array_equal(dst, src)  # what we timed was real data movement
+    backend.close()
+    res = {k: statistics.median(v) for k, v in out.items()}
+    res["put_ratio"] = statistics.median(o / r for o, r in zip(out["put_ours"], out["put_raw"], strict=True))
+    res["get_ratio"] = statistics.median(o / r for o, r in zip(out["get_ours"], out["get_raw"], strict=True))
+    return res
+
+
+@app.command()
+def main(
+    rounds: int = typer.Option(5, min=1, max=50, help="alternating rounds per size"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+) -> None:
+    if not _in_private_netns():
+        if os.geteuid() != 0 or os.environ.get("_BENCH_MOONCAKE_NETNS"):
+            raise SystemExit("run as root (or inside `unshare -n` with lo up): Mooncake clients listen on all interfaces")
+        cmd = " ".join([sys.executable, *map(repr, sys.argv)])
+        env = {**os.environ, "_BENCH_MOONCAKE_NETNS": "1"}
+        raise SystemExit(subprocess.call(["unshare", "-n", "bash", "-c", f"ip link set lo up && exec {cmd}"], env=env))
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    master, address = _start_master()
+    try:
+        results = {size: _measure(size, rounds, address) for size in (64 * KiB, 2 * MiB)}
+    finally:
+        master.kill()
+        master.wait()
+    if as_json:
+        print(json.dumps({str(k): v for k, v in results.items()}, indent=2))
+        return
+    table = Table(title=f"MooncakeBackend vs raw Mooncake client (batch {BATCH}, single process, median of {rounds})")
+    for col in ("object", "put raw GB/s", "put ours GB/s", "put ratio", "get raw GB/s", "get ours GB/s", "get ratio"):
+        table.add_column(col, justify="right")
+    for size, r in results.items():
+        table.add_row(
+            f"{size // KiB} KiB" if size < MiB else f"{size // MiB} MiB",
+            f"{r['put_raw']:.2f}", f"{r['put_ours']:.2f}", f"{r['put_ratio']:.2f}",
+            f"{r['get_raw']:.2f}", f"{r['get_ours']:.2f}", f"{r['get_ratio']:.2f}",
+        )
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,107 @@
+"""A full store reports NO_SPACE per key (or evicts, if it says it does) and
+keeps serving what it holds, byte-exact."""
+
+from __future__ import annotations
+
+import time
+
+from ascendstore.contract import Status
+from ascendstore_conformance.harness import Harness, assert_same, pattern
+from ascendstore_conformance.suite.base import OpenClient
+
+OK, NOT_FOUND, NO_SPACE = Status.OK, Status.NOT_FOUND, Status.NO_SPACE
+#: bounds on filling the small store, so a store that never fills fails quickly.
+MAX_FILL_BYTES = 256 << 20
+FILL_DEADLINE_S = 60.0
+
+
+def _fill_plan(h: Harness) -> tuple[int, int]:
+    """(object size, most objects to write): about 1/32 of the first tier per
+    object, and up to 4x the whole store, when stats() tells "capacity_bytes"
+    (and "disk_capacity_bytes" for a second tier)."""
+    stats = h.call("stats")
+    capacity = stats.get("capacity_bytes") or 0
+    total = capacity + (stats.get("disk_capacity_bytes") or 0)
+    size = max(1024, min(capacity // 32 if capacity else 64 << 10, 1 << 20, h.caps.max_object_bytes))
+    budget = min(4 * total, MAX_FILL_BYTES) if capacity else MAX_FILL_BYTES
+    return size, budget // size
+
+
+class CapacityTests:
+    def test_capacity_full(self, open_client: OpenClient) -> None:
+        h = open_client(small=True)
+        size, max_objects = _fill_plan(h)
+        written: dict[str, bytes] = {}
+        evicted: list[str] = []
+        no_space = 0
+        deadline = time.monotonic() + FILL_DEADLINE_S
+        for i in range(max_objects):
+            if time.monotonic() > deadline:
+                break
+            key = h.key(f"fill{i:05d}")
+            data = pattern(key, size)
+            (status,) = h.put({key: data})
+            assert status in (OK, NO_SPACE), f"put #{i} into a filling store returned {status!r}"
+            if status is OK:
+                written[key] = data
+            else:
+                no_space += 1
+                if not h.caps.evicts:
+                    break
+                time.sleep(0.05)  # an evicting store may free space asynchronously
+            if h.caps.evicts and i % 16 == 15:
+                states = h.exists(list(written))
+                assert set(states) <= {OK, NOT_FOUND}, f"exists() while full returned {states!r}"
+                evicted = [k for k, s in zip(written, states, strict=True) if s is NOT_FOUND]
+                if evicted:
+                    break
+        stored = sum(len(v) for v in written.values())
+        assert no_space or evicted, (
+            f"wrote {len(written)} objects ({stored} bytes) into the small store and it neither reported "
+            "NO_SPACE nor evicted: small_config should describe a store of a few MiB"
+        )
+        if h.caps.evicts:
+            self._check_evicting(h, written, evicted, size)
+        else:
+            assert no_space, "evicts=False but the store dropped objects instead of reporting NO_SPACE"
+            self._check_full(h, written, size)
+        health = h.call("health", h.timeout_s)
+        assert health.status is OK, f"health() of a full store: {health!r} (full is not unhealthy)"
+
+    def _check_full(self, h: Harness, written: dict[str, bytes], size: int) -> None:
+        keys = list(written)
+        assert keys, "the small store refused the very first object"
+        assert h.exists(keys) == [OK] * len(keys), "a store that does not evict lost objects when full"
+        h.assert_reads(written)
+        more = h.keys("over-a", "over-b")
+        got = h.put({k: pattern(k, size) for k in more})
+        assert got == [NO_SPACE, NO_SPACE], f"batch put into a full store returned {got!r}"
+        assert h.exists(more) == [NOT_FOUND, NOT_FOUND], "a put that reported NO_SPACE left an object"
+        # Removing frees space for new objects.
+        assert h.remove(keys[:2]) == [OK, OK]
+        fresh = {h.key("after-remove"): pattern("after-remove", size)}
+        got = h.put(fresh)
+        assert got == [OK], f"put after removing objects from a full store returned {got!r}"
+        h.assert_reads(fresh)
+
+    def _check_evicting(self, h: Harness, written: dict[str, bytes], evicted: list[str], size: int) -> None:
+        assert evicted, "evicts=True but the store reported NO_SPACE without ever evicting"
+        # Writing goes on once the store has evicted (allow for asynchronous eviction).
+        key = h.key("after-evict")
+        data = pattern(key, size)
+        for _ in range(100):
+            (status,) = h.put({key: data})
+            if status is OK:
+                break
+            assert status is NO_SPACE, f"put into an evicting store returned {status!r}"
+            time.sleep(0.1)
+        assert status is OK, "an evicting store kept reporting NO_SPACE for 10 s"
+        # What is still there reads back exact: eviction never leaves stale or torn bytes.
+        written[key] = data
+        keys = list(written)
+        statuses, bufs = h.get(keys, [size] * len(keys))
+        assert set(statuses) <= {OK, NOT_FOUND}, f"get() from an evicting store returned {statuses!r}"
+        assert statuses.count(OK) > 0, "an evicting store kept nothing"
+        for k, s, b in zip(keys, statuses, bufs, strict=True):
+            if s is OK:
+                assert_same(b.read(), written[k], k)

@@ -1,0 +1,132 @@
+"""Concurrent writers and readers (threads, and another process when the
+store is shared): every successful read is one whole written version."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from ascendstore.contract import Status
+from ascendstore_conformance.factory import BackendFactory
+from ascendstore_conformance.harness import Harness, check_versioned, digest, pattern, versioned
+from ascendstore_conformance.suite.base import object_size, require
+
+OK, NOT_FOUND = Status.OK, Status.NOT_FOUND
+WRITERS, READERS, VERSIONS = 2, 2, 40
+CHILD_TIMEOUT_S = 120.0
+
+
+def _reader(h: Harness, key: str, size: int, stop: threading.Event, seen: list, errors: list) -> None:
+    buf = h.buffer(size)
+    region = [[buf.region]]
+    while not stop.is_set() and not errors:
+        (status,) = h.backend.get([key], region, h.timeout_s)
+        if status is OK:
+            version = check_versioned(buf.read())
+            if version is None:
+                errors.append(f"torn read of {key!r}: the bytes mix several writes")
+            seen.append(version)
+        elif status is not NOT_FOUND:
+            errors.append(f"get({key!r}) during concurrent writes returned {status!r}")
+
+
+class ConcurrencyTests:
+    def test_concurrent_writers_and_readers(self, harness: Harness) -> None:
+        h = harness
+        size = object_size(h, 256 << 10)
+        shared = h.key("shared")
+        h.put_ok({shared: versioned(0, 0, size)})
+        errors: list[str] = []
+        seen: list = []
+        own: dict[str, bytes] = {}
+        stop = threading.Event()
+
+        def writer(w: int) -> None:
+            buf = h.buffer(size)
+            for seq in range(1, VERSIONS + 1):
+                buf.write(versioned(w, seq, size))
+                own_key = h.key(f"own{w}.{seq}")
+                own[own_key] = pattern(own_key, 1000 + seq)
+                mine = h.source(own[own_key])
+                got = h.backend.put([shared, own_key], [[buf.region], [mine.region]], h.timeout_s)
+                if got != [OK, OK]:
+                    errors.append(f"concurrent put returned {got!r}")
+
+        readers = [
+            threading.Thread(target=_reader, args=(h, shared, size, stop, seen, errors))
+            for _ in range(READERS)
+        ]
+        writers = [threading.Thread(target=writer, args=(w,)) for w in range(1, WRITERS + 1)]
+        for t in readers + writers:
+            t.start()
+        for t in writers:
+            t.join(CHILD_TIMEOUT_S)
+        stop.set()
+        for t in readers:
+            t.join(CHILD_TIMEOUT_S)
+        assert not any(t.is_alive() for t in readers + writers), "concurrent calls did not return"
+        assert not errors, errors[0]
+        assert seen, "no read succeeded while writers were running"
+        # After the writers: one whole final version, and every writer's own keys intact.
+        status, final = h.get_bytes(shared, size)
+        assert status is OK and final is not None and check_versioned(final), "final value is torn or missing"
+        if h.caps.overwrite_on_put:
+            assert check_versioned(final)[1] == VERSIONS, "the final value is not one of the last writes"
+        h.assert_reads(own)
+
+    def test_visible_from_another_process(self, harness: Harness, bound_factory: BackendFactory) -> None:
+        require(harness, "shared_across_processes")
+        from ascendstore_conformance.child import run_child
+
+        items = {harness.key(f"xp{i}"): pattern(f"xp{i}", 5000 * (i + 1)) for i in range(3)}
+        harness.put_ok(items)
+        absent = harness.key("xp-absent")
+        keys = [*items, absent]
+        answer = run_child(
+            {
+                "spec": bound_factory.spec(),
+                "op": "read",
+                "keys": keys,
+                "sizes": [len(items.get(k, b"1")) for k in keys],
+            },
+            CHILD_TIMEOUT_S,
+        )
+        assert answer["exists"] == ["OK", "OK", "OK", "NOT_FOUND"], (
+            f"another process: exists -> {answer['exists']}"
+        )
+        assert answer["get"] == ["OK", "OK", "OK", "NOT_FOUND"], f"another process: get -> {answer['get']}"
+        assert answer["digests"][:3] == [digest(v) for v in items.values()], (
+            "another process read different bytes"
+        )
+
+    def test_no_torn_reads_across_processes(self, harness: Harness, bound_factory: BackendFactory) -> None:
+        require(harness, "shared_across_processes")
+        from ascendstore_conformance.child import Child
+
+        size = object_size(harness, 256 << 10)
+        key = harness.key("xp-shared")
+        harness.put_ok({key: versioned(0, 0, size)})
+        child = Child(
+            {
+                "spec": bound_factory.spec(),
+                "op": "write_versions",
+                "key": key,
+                "size": size,
+                "writer": 7,
+                "seconds": 2.0,
+                "max_count": 100000,
+            }
+        )
+        buf = harness.buffer(size)
+        seen: set = set()
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        while child.running() and time.monotonic() < deadline:
+            (status,) = harness.backend.get([key], [[buf.region]], harness.timeout_s)
+            assert status in (OK, NOT_FOUND), f"get during another process's writes returned {status!r}"
+            if status is OK:
+                version = check_versioned(buf.read())
+                assert version is not None, f"torn read of {key!r} while another process was writing it"
+                seen.add(version)
+        answer = child.finish(CHILD_TIMEOUT_S)
+        assert set(answer["statuses"]) <= {"OK"}, f"the writing process got {set(answer['statuses'])}"
+        assert seen, "no read succeeded while the other process was writing"

@@ -1,0 +1,148 @@
+"""AscendStoreConnector: vLLM's KVConnectorBase_V1 over the AscendStore pool.
+
+One object per role, as vLLM builds them; each delegates to a thin role class
+(``AscendStoreScheduler`` / ``AscendStoreWorker``) over ``ascendstore.engine``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ascendstore_vllm.context import ConnectorContext
+from ascendstore_vllm.metadata import AscendStoreMetadata
+from ascendstore_vllm.stats import AscendStorePromMetrics, AscendStoreStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class AscendStoreConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.ctx = ConnectorContext.from_vllm(vllm_config, kv_cache_config)
+        self.scheduler = None
+        self.worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from ascendstore_vllm.scheduler import AscendStoreScheduler
+
+            self.scheduler = AscendStoreScheduler(self.ctx)
+        else:
+            from ascendstore_vllm.worker import AscendStoreWorker
+
+            self.worker = AscendStoreWorker(self.ctx)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A pool is a best-effort cache: a dropped save is a future miss.
+        return False
+
+    # -- scheduler side ----------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.scheduler is not None:
+            self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids)
+
+    def take_events(self):
+        return self.scheduler.take_events() if self.scheduler is not None else ()
+
+    def reset_cache(self) -> bool | None:
+        return self.scheduler.reset_cache() if self.scheduler is not None else None
+
+    # -- worker side -------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None:
+            assert isinstance(connector_metadata, AscendStoreMetadata)
+            self.worker.bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self.worker is not None:
+            self.worker.clear()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self.worker is not None and isinstance(kv_connector_metadata, AscendStoreMetadata):
+            self.worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.worker is not None
+        self.worker.start_load_kv(forward_context)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.worker is not None:
+            self.worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        if self.worker is not None:
+            self.worker.save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        if self.worker is not None:
+            self.worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self.worker is not None
+        return self.worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors() if self.worker is not None else set()
+
+    def get_kv_connector_stats(self) -> AscendStoreStats | None:
+        role = self.worker or self.scheduler
+        data = role.metrics.take() if role is not None else {}
+        return AscendStoreStats(data=data) if data else None
+
+    def shutdown(self) -> None:
+        for role in (self.worker, self.scheduler):
+            if role is not None:
+                role.shutdown()
+
+    # -- class-level hooks -------------------------------------------------------------
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        from ascendstore.config import load_config
+
+        return load_config(extra_config).use_layerwise
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> AscendStoreStats | None:
+        return AscendStoreStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return AscendStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,204 @@
+"""GR mode inside a connector: one object per role, a one-line call per hook.
+
+``attach_gr(ctx, role, kv_cache_config)`` returns a ``GRAttachment`` when
+``gr.enabled`` (else None). A connector forwards its hooks to it; a request the
+attachment claims (a request with a ``uid``) is GR's alone -- the chunk pool
+neither looks it up nor saves it, so candidates are never pooled.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ascendstore_vllm.context import ConnectorContext
+from ascendstore_vllm.gr.hooks import GRPlan, GRSchedulerHooks, GRWorkerHooks
+
+from ascendstore.contract import BackendContext
+from ascendstore.errors import ConfigError
+from ascendstore.gr import GRStats, UserStore
+from ascendstore.registry import create_backend
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+#: where the plan travels in a connector's metadata ``extensions``
+PLAN_KEY = "ascendstore.gr"
+
+
+def gr_model_token(ctx: ConnectorContext) -> str:
+    """The ``{model}`` part of user keys: the model name plus the digest of
+    everything that makes KV bytes compatible (dtype, layout, heads, TP...)."""
+    return f"{ctx.fingerprint.model}.{ctx.fingerprint.digest()[:12]}"
+
+
+def build_user_store(ctx: ConnectorContext, role: str, stats: GRStats | None = None,
+                     backend: Any = None) -> UserStore:
+    """A user store on ``backend`` (e.g. the connector's guarded client) or a new one."""
+    from ascendstore.engine import BackendGuard
+
+    cfg = ctx.config
+    world = ctx.tp_size * ctx.pp_size
+    rank = ctx.tp_rank + ctx.pp_rank * ctx.tp_size
+    if backend is None:
+        raw = create_backend(
+            cfg.backend, cfg.backend_config,
+            BackendContext(role=role, rank=rank, world_size=world, instance_id=ctx.instance_id,
+                           timeout_s=cfg.timeout_ms / 1000),
+        )
+        if role == "scheduler" and not raw.capabilities.scheduler_client:
+            raw.close()
+            raise ConfigError(
+                f"gr.enabled needs a scheduler-side client of backend {cfg.backend!r} (its user lookups "
+                f"read the pool from the scheduler); this backend has none. Set gr.enabled=false."
+            )
+        backend = BackendGuard(raw, cfg.timeout_ms / 1000, name=f"ascendstore-gr-{role}")
+    return UserStore(
+        backend, model=gr_model_token(ctx), world_size=world, block_size=ctx.block_size, config=cfg.gr,
+        worker_id=rank, num_layers=ctx.num_layers, layerwise=cfg.use_layerwise,
+        timeout_s=cfg.timeout_ms / 1000, stats=stats,
+    )
+
+
+def bytes_per_block(ctx: ConnectorContext, kv_cache_config: KVCacheConfig | None) -> int:
+    """KV bytes of one block over all layers and ranks (tenant quota accounting)."""
+    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+        return 0
+    group = kv_cache_config.kv_cache_groups[0]
+    return int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names) * ctx.tp_size * ctx.pp_size
+
+
+class GRAttachment:
+    def __init__(self, ctx: ConnectorContext, is_scheduler: bool, kv_cache_config: KVCacheConfig | None,
+                 backend: Any = None) -> None:
+        self.ctx = ctx
+        self.stats = GRStats()
+        self._reported = GRStats()
+        self.sched: GRSchedulerHooks | None = None
+        self.worker: GRWorkerHooks | None = None
+        self._errors: set[int] = set()
+        self._owns_backend = backend is None
+        rank = ctx.tp_rank + ctx.pp_rank * ctx.tp_size
+        # every rank saves and loads its own objects; rank 0 speaks for all in the counters
+        counted = self.stats if is_scheduler or rank == 0 else GRStats()
+        store = build_user_store(ctx, "scheduler" if is_scheduler else "worker", counted, backend)
+        if is_scheduler:
+            self.sched = GRSchedulerHooks(
+                store, config=ctx.config.gr, block_size=ctx.block_size,
+                bytes_per_block=bytes_per_block(ctx, kv_cache_config), default_tenant=ctx.config.tenant,
+                stats=self.stats,
+            )
+        else:
+            self.worker = GRWorkerHooks(store, count_stats=rank == 0)
+
+    @property
+    def store(self) -> UserStore:
+        hooks = self.sched or self.worker
+        assert hooks is not None
+        return hooks.store
+
+    # -- scheduler side ---------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        if self.sched is not None:
+            self.sched.bind_kv_cache_manager(kv_cache_manager)
+
+    def claims(self, request: Any) -> bool:
+        return self.sched is not None and self.sched.is_gr(request)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool] | None:
+        """GR's answer for a GR request; None: not GR (use the ordinary path)."""
+        assert self.sched is not None
+        if not self.ctx.can_load:
+            return (0, False) if self.sched.is_gr(request) else None
+        return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+        assert self.sched is not None
+        self.sched.update_state_after_alloc(request, num_external_tokens)
+
+    def build_plan(self, scheduler_output: Any) -> GRPlan:
+        assert self.sched is not None
+        plan = self.sched.build_plan(scheduler_output)
+        if not self.ctx.can_save:
+            plan.saves = []
+        return plan
+
+    def request_finished(self, request: Any) -> None:
+        if self.sched is not None:
+            self.sched.request_finished(request)
+
+    def delete_user(self, uid: str) -> int:
+        assert self.sched is not None
+        return self.sched.delete_user(uid)
+
+    # -- worker side ------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], staging: Any = None) -> None:
+        """Map block ids to vLLM's KV bytes (or to ``staging``'s host copies)."""
+        from ascendstore_vllm.device import DeviceSync, HostStaging
+
+        from ascendstore.engine import KVLayout, LayerSpan
+
+        assert self.worker is not None
+        device = next(iter(kv_caches.values())).device
+        views = kv_caches
+        if staging is None and device.type != "cpu" and not self.store.caps.device_memory:
+            staging = HostStaging(kv_caches, 0)
+        if staging is not None:
+            views = staging.host_views
+            self.worker.before_save = staging.to_host
+            self.worker.after_load = staging.to_device
+        else:
+            sync = DeviceSync(device)
+            self.worker.before_save = lambda block_ids: sync.synchronize()
+        layout = KVLayout([
+            LayerSpan.from_view(name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size())
+            for name, t in views.items()
+        ])
+        self.worker.block_regions = lambda ids: [[lay.block_regions(b) for b in ids] for lay in layout.layers]
+
+    def start_load(self, plan: GRPlan | None) -> None:
+        if self.worker is not None and plan is not None:
+            self._errors |= self.worker.load(plan)
+
+    def save(self, plan: GRPlan | None) -> None:
+        if self.worker is not None and plan is not None:
+            self.worker.save(plan)
+
+    def take_load_errors(self) -> set[int]:
+        out, self._errors = self._errors, set()
+        return out
+
+    # -- stats ------------------------------------------------------------------------
+    def take_stats(self) -> dict[str, int]:
+        """Counters since the last call (non-zero only)."""
+        data = self.stats.snapshot(reset=True)
+        self._reported.merge(data)
+        return {k: v for k, v in data.items() if v}
+
+    def totals(self) -> dict[str, int]:
+        """Counters since start, reported or not."""
+        out = self._reported.snapshot()
+        for k, v in self.stats.snapshot().items():
+            out[k] += v
+        return out
+
+    def shutdown(self) -> None:
+        if self.sched is not None and self.sched.lru is not None:
+            self.sched.lru.uninstall()
+        if self._owns_backend:
+            self.store.backend.close()
+
+
+def attach_gr(ctx: ConnectorContext, is_scheduler: bool, kv_cache_config: KVCacheConfig | None = None,
+              backend: Any = None) -> GRAttachment | None:
+    """The GR attachment of a connector role, or None when ``gr.enabled`` is off."""
+    if not ctx.config.gr.enabled:
+        return None
+    return GRAttachment(ctx, is_scheduler, kv_cache_config, backend)
+
+
+def plan_of(meta: Any) -> GRPlan | None:
+    """The GR plan carried in a connector's metadata ``extensions`` (None if absent)."""
+    ext = getattr(meta, "extensions", None) or {}
+    entry = ext.get(PLAN_KEY)
+    return entry.get("plan") if entry else None

@@ -1,0 +1,46 @@
+"""Scheduler -> worker plan for one step (plain dataclasses, pickled by vLLM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class ChunkRef:
+    """A chunk of a request: absolute index, chained hash and its device blocks."""
+
+    index: int
+    chunk_hash: str
+    block_ids: list[int]
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    tenant: str
+    chunks: list[ChunkRef]
+    is_async: bool = False
+
+
+@dataclass
+class SaveSpec:
+    req_id: str
+    tenant: str
+    chunks: list[ChunkRef]
+
+
+@dataclass
+class AscendStoreMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    #: finished requests whose blocks wait for their saves (report finished_sending).
+    delayed_free: list[str] = field(default_factory=list)
+    #: requests preempted this step: their transfers must stop touching blocks.
+    preempted: list[str] = field(default_factory=list)
+    #: request-level extension data (GR/PD helpers), opaque to this connector.
+    extensions: dict[str, dict] = field(default_factory=dict)
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.saves or self.delayed_free or self.preempted)

@@ -1,0 +1,255 @@
+"""Worker side: regions from vLLM's KV views, loads, saves, dedup, results."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from ascendstore.contract import BackendContext, Region, Status
+from ascendstore.engine import (
+    BackendGuard,
+    ChunkOp,
+    EngineMetrics,
+    KVLayout,
+    LayerSpan,
+    PoolLookup,
+    TransferEngine,
+)
+from ascendstore.registry import create_backend
+from ascendstore_vllm.context import ConnectorContext
+from ascendstore_vllm.device import DeviceSync, HostStaging
+from ascendstore_vllm.lookup_rpc import LookupServer
+from ascendstore_vllm.metadata import AscendStoreMetadata, LoadSpec, SaveSpec
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+
+log = logging.getLogger(__name__)
+
+
+class AscendStoreWorker:
+    def __init__(self, ctx: ConnectorContext) -> None:
+        self.ctx = ctx
+        cfg = ctx.config
+        self.metrics = EngineMetrics()
+        backend = create_backend(
+            cfg.backend,
+            cfg.backend_config,
+            BackendContext(
+                role="worker",
+                rank=ctx.tp_rank + ctx.pp_rank * ctx.tp_size,
+                world_size=ctx.tp_size * ctx.pp_size,
+                instance_id=ctx.instance_id,
+                timeout_s=cfg.timeout_ms / 1000,
+            ),
+        )
+        self.guard = BackendGuard(backend, cfg.timeout_ms / 1000, metrics=self.metrics)
+        rg = ctx.replicas
+        idx, size = (rg.index, rg.size) if rg.size > 1 else (ctx.tp_rank, ctx.tp_size)
+        self.engine = TransferEngine(
+            self.guard,
+            queue_size=cfg.transfer_queue_size,
+            max_inflight_bytes=cfg.max_inflight_bytes,
+            stagger_index=idx,
+            stagger_size=size,
+            stagger_delay_s=cfg.h2d_stagger_us / 1e6,
+            name=f"ascendstore-tp{ctx.tp_rank}",
+        )
+        self.keys = ctx.key_builder()
+        self.layout: KVLayout | None = None
+        self.staging: HostStaging | None = None
+        self.sync: DeviceSync | None = None
+        self._scratch: torch.Tensor | None = None
+        self._meta: AscendStoreMetadata | None = None
+        self._async_loads: set[str] = set()
+        self._recv_done: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._delayed: set[str] = set()
+        self._layer_saves: list[tuple[SaveSpec, list[int]]] = []
+        self._server: LookupServer | None = None
+        if ctx.tp_rank == 0 and ctx.pp_rank == 0 and cfg.lookup_mode in ("auto", "rpc"):
+            self._server = LookupServer(
+                ctx.lookup_ipc_path(), PoolLookup(self.guard, self.keys, cfg.lookup_timeout_ms / 1000)
+            )
+
+    # -- registration ----------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        tensors = list(kv_caches.values())
+        device = tensors[0].device
+        caps = self.guard.capabilities
+        self.sync = DeviceSync(device)
+        if device.type != "cpu" and not caps.device_memory:
+            # The backend cannot read device memory: go through pinned host buffers.
+            self.staging = HostStaging(kv_caches, self.ctx.config.max_inflight_bytes or (256 << 20))
+            views = self.staging.host_views
+        else:
+            views = kv_caches
+        self.layout = KVLayout(
+            [
+                LayerSpan.from_view(name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size())
+                for name, t in views.items()
+            ]
+        )
+        # Room for one block of any layer: the landing spot for chunk blocks the
+        # device already holds (a chunk object is read whole).
+        span = max(off + n for lay in self.layout.layers for off, n in lay.runs)
+        self._scratch = torch.empty(span, dtype=torch.uint8)
+        if caps.needs_registration or caps.zero_copy:
+            st = self.guard.register(self.layout.registration_regions())
+            if st is not Status.OK:
+                log.warning("backend register() returned %s; transfers may fail and be recomputed", st.name)
+        log.info(
+            "AscendStore worker tp%d: %d layers, %d B per block, device %s%s",
+            self.ctx.tp_rank, self.layout.num_layers, self.layout.block_bytes(), device,
+            " via host staging" if self.staging else "",
+        )
+
+    # -- plan -> ops -------------------------------------------------------------------
+    def _regions(self, block_ids: list[int], layer: int | None) -> list[Region]:
+        assert self.layout is not None and self._scratch is not None
+        regions: list[Region] = []
+        layers = range(self.layout.num_layers) if layer is None else (layer,)
+        scratch = self._scratch.data_ptr()
+        for lay in layers:
+            span = self.layout.layers[lay]
+            for b in block_ids:
+                if b < 0:
+                    # A block the device already holds: read into scratch, never into vLLM's cache.
+                    regions.extend(Region(scratch + off, n) for off, n in span.runs)
+                else:
+                    regions.extend(span.block_regions(b))
+        return regions
+
+    def _ops(self, spec: LoadSpec | SaveSpec, layer: int | None, writer_only: bool = False) -> list[ChunkOp]:
+        ops = []
+        for c in spec.chunks:
+            if writer_only and not self.ctx.replicas.writes(c.index):
+                continue
+            ops.append(ChunkOp(self.keys.key(spec.tenant, c.chunk_hash, layer), self._regions(c.block_ids, layer),
+                               [b for b in c.block_ids if b >= 0], c.index, layer))
+        return ops
+
+    # -- per step ----------------------------------------------------------------------
+    def handle_preemptions(self, meta: AscendStoreMetadata) -> None:
+        if meta.preempted:
+            # Their blocks are freed after this: no transfer may touch them later.
+            self.engine.cancel(meta.preempted)
+            self._async_loads.difference_update(meta.preempted)
+
+    def bind(self, meta: AscendStoreMetadata) -> None:
+        self._meta = meta
+        self._delayed.update(meta.delayed_free)
+
+    def start_load_kv(self, forward_context: ForwardContext | None) -> None:
+        meta = self._meta
+        if meta is None or not meta.loads or self.layout is None:
+            return
+        layerwise = self.ctx.config.use_layerwise
+        for spec in meta.loads:
+            if layerwise:
+                for layer in range(self.layout.num_layers):
+                    self.engine.submit_load(spec.req_id, self._ops(spec, layer), layer=layer,
+                                            after=self._after_load(spec))
+            elif spec.is_async:
+                self._async_loads.add(spec.req_id)
+                self.engine.submit_load(spec.req_id, self._ops(spec, None), after=self._after_load(spec))
+            else:
+                failed = self.engine.load_now(spec.req_id, self._ops(spec, None), after=self._after_load(spec))
+                self._load_errors |= failed
+        if not layerwise:
+            # Sync loads are done; async ones are collected by get_finished.
+            res = self.engine.take_results()
+            self._collect(res)
+
+    def _after_load(self, spec: LoadSpec) -> Callable | None:
+        if self.staging is None:
+            return None
+        staging = self.staging
+
+        def copy_in(ops: list[ChunkOp], statuses: list[Status]) -> None:
+            staging.to_device([b for op, s in zip(ops, statuses, strict=True) if s is Status.OK for b in op.block_ids],
+                              ops[0].layer if ops else None)
+
+        return copy_in
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.layout is None or not self.ctx.config.use_layerwise:
+            return
+        i = self.layout.index.get(layer_name)
+        if i is None:
+            return
+        self._load_errors |= self.engine.wait_layer(i)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        if not self.ctx.config.use_layerwise or self._meta is None or self.layout is None:
+            return
+        i = self.layout.index.get(layer_name)
+        if i is None:
+            return
+        before = self._ready_hook(i)
+        for spec in self._meta.saves:
+            ops = self._ops(spec, i, writer_only=True)
+            if ops:
+                self.engine.submit_save(spec.req_id, ops, layer=i, before=before)
+
+    def wait_for_save(self) -> None:
+        meta = self._meta
+        if meta is None or self.layout is None or self.ctx.config.use_layerwise:
+            return
+        if not meta.saves:
+            return
+        before = self._ready_hook(None)
+        for spec in meta.saves:
+            ops = self._ops(spec, None, writer_only=True)
+            skipped = len(spec.chunks) - len(ops)
+            if skipped:
+                self.metrics.add(save_skipped_not_writer=skipped)
+            if ops:
+                self.engine.submit_save(spec.req_id, ops, before=before)
+
+    def _ready_hook(self, layer: int | None) -> Callable[[], None] | None:
+        """Saves must not read KV before the device has written it."""
+        if self.sync is None or self.sync.is_cpu:
+            return None
+        event = self.sync.record()
+        staging = self.staging
+        saves = self._meta.saves if self._meta else []
+        blocks = [b for s in saves for c in s.chunks for b in c.block_ids if b >= 0]
+
+        def ready() -> None:
+            event.synchronize()
+            if staging is not None:
+                staging.to_host(blocks, layer)
+
+        return ready
+
+    def _collect(self, res) -> None:
+        for req_id, failed in res.loaded.items():
+            self._load_errors |= failed
+            if req_id in self._async_loads:
+                self._recv_done.add(req_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._collect(self.engine.take_results())
+        recv = self._recv_done & self._async_loads
+        self._async_loads -= recv
+        self._recv_done -= recv
+        sent = {r for r in self._delayed if not self.engine.pending("save", r)}
+        self._delayed -= sent
+        return (sent or None), (recv or None)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def clear(self) -> None:
+        self._meta = None
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        self.engine.shutdown(timeout_s=self.ctx.config.timeout_ms / 1000)
+        self.guard.close()

@@ -1,0 +1,74 @@
+"""An in-process memory backend for engine unit tests (no vLLM, no cross-process need)."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections.abc import Sequence
+
+from ascendstore.contract import Backend, BackendContext, BackendOptions, Capabilities, Health, Region, Status
+
+
+class MemBackend(Backend):
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.calls: list[tuple[str, list[str]]] = []
+        self.fail_keys: set[str] = set()
+        self.delay_s = 0.0
+        self.raise_on: set[str] = set()
+        self.lock = threading.Lock()
+        self.inflight = 0
+        self.max_inflight = 0
+
+    @classmethod
+    def create(cls, options: BackendOptions, ctx: BackendContext) -> MemBackend:
+        return cls()
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities()
+
+    def _enter(self, op: str, keys: Sequence[str]) -> None:
+        with self.lock:
+            self.calls.append((op, list(keys)))
+        if op in self.raise_on:
+            raise RuntimeError(f"planted {op} bug")
+        if self.delay_s:
+            time.sleep(self.delay_s)
+
+    def exists(self, keys, timeout_s):
+        self._enter("exists", keys)
+        return [Status.OK if k in self.data else Status.NOT_FOUND for k in keys]
+
+    def put(self, keys, regions: Sequence[Sequence[Region]], timeout_s):
+        self._enter("put", keys)
+        for k, regs in zip(keys, regions, strict=True):
+            self.data[k] = b"".join(ctypes.string_at(r.addr, r.length) for r in regs)
+        return [Status.OK] * len(keys)
+
+    def get(self, keys, regions, timeout_s):
+        self._enter("get", keys)
+        out = []
+        for k, regs in zip(keys, regions, strict=True):
+            if k in self.fail_keys:
+                out.append(Status.UNAVAILABLE)
+                continue
+            if k not in self.data:
+                out.append(Status.NOT_FOUND)
+                continue
+            buf, pos = self.data[k], 0
+            for r in regs:
+                ctypes.memmove(r.addr, buf[pos : pos + r.length], r.length)
+                pos += r.length
+            out.append(Status.OK)
+        return out
+
+    def remove(self, keys, timeout_s):
+        return [Status.OK if self.data.pop(k, None) is not None else Status.NOT_FOUND for k in keys]
+
+    def health(self, timeout_s):
+        return Health(Status.OK)
+
+    def close(self):
+        pass

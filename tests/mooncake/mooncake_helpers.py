@@ -1,0 +1,91 @@
+"""Helpers shared by the Mooncake tests: a real mooncake_master process, test data."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ascendstore.contract import Region
+
+MASTER_BIN = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
+#: small pools keep the suite light on a shared 2-core machine
+SEGMENT = 32 << 20
+BUFFER = 8 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Master:
+    """One mooncake_master on 127.0.0.1 (no HTTP metadata server: clients use P2PHANDSHAKE)."""
+
+    def __init__(self, log_dir: Path, extra: list[str] | None = None) -> None:
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.extra = extra or []
+        self.log_dir = log_dir
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        assert self.proc is None or self.proc.poll() is not None, "master already running"
+        self.starts += 1
+        log = open(self.log_dir / f"master-{self.port}-{self.starts}.log", "wb")
+        self.proc = subprocess.Popen(
+            [
+                MASTER_BIN,
+                "--rpc_address=127.0.0.1",
+                f"--rpc_port={self.port}",
+                "--metrics_host=127.0.0.1",
+                f"--metrics_port={self.metrics_port}",
+                *self.extra,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}; see {log.name}")
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.02)
+        raise RuntimeError("mooncake_master did not open its port within 10 s")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def payload(seed: int, size: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def region(arr: np.ndarray, start: int = 0, length: int | None = None) -> Region:
+    length = arr.nbytes - start if length is None else length
+    return Region(arr.ctypes.data + start, length)

@@ -1,0 +1,184 @@
+"""Failures against a real mooncake_master: no master, master SIGKILL and restart, other processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import backend_config
+from mooncake_helpers import free_port, payload, region
+
+from ascendstore.contract import BackendContext, BackendSetupError, Status
+from ascendstore.registry import create_backend
+
+pytestmark = pytest.mark.mooncake
+
+#: slack over a call's timeout for thread hand-off on a loaded 2-core machine
+SLACK = 1.5
+
+
+def _no_master_config(**over) -> dict:
+    return {
+        "master_server_address": f"127.0.0.1:{free_port()}",
+        "local_hostname": "127.0.0.1",
+        "global_segment_size": 16 << 20,
+        "local_buffer_size": 8 << 20,
+        **over,
+    }
+
+
+def test_setup_without_master_fails_fast_and_clearly() -> None:
+    # Mooncake alone would retry for ~90 s (20 tries) holding the GIL; we probe the address first.
+    cfg = _no_master_config()
+    t0 = time.monotonic()
+    with pytest.raises(BackendSetupError) as exc:
+        create_backend("mooncake", cfg, BackendContext(role="worker"))
+    assert time.monotonic() - t0 < SLACK
+    msg = str(exc.value)
+    assert cfg["master_server_address"] in msg and "cannot reach mooncake_master" in msg
+    assert "MOONCAKE_MASTER" in msg
+
+
+def _timed(fn):
+    t0 = time.monotonic()
+    out = fn()
+    return out, time.monotonic() - t0
+
+
+def test_master_sigkill_then_restart(master_factory, open_backend) -> None:
+    m = master_factory()
+    t = 1.5
+    b = open_backend(m)  # default exists cache on: it must not answer for lost keys
+    before = [payload(100 + i, 256 << 10) for i in range(4)]
+    keys = [f"restart/old/{i}" for i in range(4)]
+    assert b.put(keys, [[region(a)] for a in before], t) == [Status.OK] * 4
+    assert b.exists(keys, t) == [Status.OK] * 4
+
+    m.kill()
+    seen: set[Status] = set()
+    dst = np.zeros(256 << 10, dtype=np.uint8)
+    end = time.monotonic() + 3.0
+    i = 0
+    while time.monotonic() < end:  # a run that keeps going while the master is dead
+        for call in (
+            lambda i=i: b.put([f"restart/during/{i}"], [[region(before[0])]], t),
+            lambda: b.get([keys[0]], [[region(dst)]], t),
+            lambda: b.exists(keys, t),
+        ):
+            statuses, took = _timed(call)
+            assert took < t + SLACK, f"call took {took:.2f} s with timeout {t} s"
+            assert set(statuses) <= {Status.UNAVAILABLE, Status.TIMEOUT}, statuses
+            seen |= set(statuses)
+        i += 1
+    assert seen  # the calls did fail
+    health, took = _timed(lambda: b.health(t))
+    assert health.status is Status.UNAVAILABLE and took < t + SLACK
+    assert health.detail["mooncake_health"] == "master unreachable"
+
+    m.start()
+    deadline = time.monotonic() + 30
+    while not b.health(t).ok:
+        assert time.monotonic() < deadline, "backend did not recover within 30 s of the master restart"
+        time.sleep(0.2)
+    # the new master knows nothing: every old key reads as a miss
+    assert b.exists(keys, t) == [Status.NOT_FOUND] * 4
+    assert b.get([keys[1]], [[region(dst)]], t) == [Status.NOT_FOUND]
+    # and the pool works again (the client re-mounted its segment)
+    fresh = payload(200, 256 << 10)
+    deadline = time.monotonic() + 15
+    while (st := b.put(["restart/new"], [[region(fresh)]], t)) != [Status.OK]:
+        assert time.monotonic() < deadline, st
+        time.sleep(0.2)
+    assert b.get(["restart/new"], [[region(dst)]], t) == [Status.OK]
+    assert np.array_equal(dst, fresh)
+    assert b.stats()["timeouts"] >= 0
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, sys.argv[2])
+    import numpy as np
+    from ascendstore.contract import BackendContext, Status
+    from ascendstore.registry import create_backend
+    from mooncake_helpers import payload, region
+
+    cfg = {"master_server_address": sys.argv[1], "local_hostname": "127.0.0.1",
+           "global_segment_size": 32 << 20, "local_buffer_size": 8 << 20}
+    b = create_backend("mooncake", cfg, BackendContext(role="worker", rank=1))
+    data = [payload(300 + i, 100_000 + i) for i in range(8)]
+    keys = [f"xproc/child/{i}" for i in range(8)]
+    # each object gathered from two regions
+    st = b.put(keys, [[region(d, 0, 4096), region(d, 4096)] for d in data], 5)
+    assert st == [Status.OK] * 8, st
+    print("READY", flush=True)
+    sys.stdin.readline()  # the parent has read ours and written its own
+    want = payload(400, 1 << 20)
+    got = np.zeros_like(want)
+    assert b.get(["xproc/parent"], [[region(got)]], 5) == [Status.OK]
+    assert np.array_equal(got, want)
+    print("CHILD-OK", flush=True)
+    b.close()
+    """
+)
+
+
+def test_what_one_process_puts_another_reads_byte_exact(master, open_backend, tmp_path: Path) -> None:
+    helpers = str(Path(__file__).parent)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, master.address, helpers],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=open(tmp_path / "child.log", "wb"),
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        line = child.stdout.readline()
+        assert line.strip() == "READY", (tmp_path / "child.log").read_text()[-2000:]
+        b = open_backend(**{k: v for k, v in backend_config(master).items() if k != "master_server_address"})
+        for i in range(8):
+            want = payload(300 + i, 100_000 + i)
+            got = np.zeros_like(want)
+            assert b.get([f"xproc/child/{i}"], [[region(got)]], 5) == [Status.OK]
+            assert np.array_equal(got, want)
+        mine = payload(400, 1 << 20)
+        assert b.put(["xproc/parent"], [[region(mine)]], 5) == [Status.OK]
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "CHILD-OK", (tmp_path / "child.log").read_text()[-2000:]
+        assert child.wait(30) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_native_setup_failure_raises_clearly_and_never_crashes(master) -> None:
+    """Mooncake itself refuses the set-up (a segment below its 16 MiB minimum, slipped past
+    our validation on purpose); the client must never be touched again, even by the GC."""
+    import gc
+
+    from ascendstore_mooncake.backend import MooncakeBackend
+    from ascendstore_mooncake.options import MooncakeOptions
+
+    opts = MooncakeOptions.model_construct(
+        **{**MooncakeOptions().model_dump(), "master_server_address": master.address,
+           "local_hostname": "127.0.0.1", "global_segment_size": 8 << 20, "local_buffer_size": 8 << 20}
+    )
+    with pytest.raises(BackendSetupError) as exc:
+        MooncakeBackend(opts, BackendContext(role="worker"))
+    msg = str(exc.value)
+    assert "returned -600" in msg and master.address in msg and "never called again" in msg
+    gc.collect()  # the failed native client is kept alive, so its destructor cannot run
+    # the process is fine and other clients still work
+    b = create_backend("mooncake", backend_config(master), BackendContext(role="worker"))
+    try:
+        assert b.health(5).ok
+    finally:
+        b.close()

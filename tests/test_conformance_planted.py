@@ -1,0 +1,486 @@
+"""The conformance suite is itself tested: a correct in-memory reference backend
+passes all of it, and each backend below, the reference with one planted bug,
+makes it fail in the test(s) meant to catch that bug (while the reference
+passes the same tests in the same run)."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import itertools
+import re
+import string
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ascendstore_conformance import BackendConformance, BackendFactory
+
+from ascendstore.contract import (
+    Backend,
+    BackendContext,
+    BackendOptions,
+    Capabilities,
+    Health,
+    Region,
+    Status,
+)
+
+OK, NOT_FOUND, NO_SPACE, TIMEOUT = Status.OK, Status.NOT_FOUND, Status.NO_SPACE, Status.TIMEOUT
+UNAVAILABLE, CORRUPT, INVALID = Status.UNAVAILABLE, Status.CORRUPT, Status.INVALID
+SMALL = {"capacity_bytes": 2 << 20}
+
+
+def gather(regions: Sequence[Region]) -> bytes:
+    return b"".join(ctypes.string_at(r.addr, r.length) for r in regions)
+
+
+def scatter(data: bytes, regions: Sequence[Region]) -> None:
+    pos = 0
+    for r in regions:
+        ctypes.memmove(r.addr, data[pos : pos + r.length], r.length)
+        pos += r.length
+
+
+class MemHooks:
+    def __init__(self, store: MemStore) -> None:
+        self.store = store
+
+    def delay(self, seconds: float) -> None:
+        self.store.slow_s = seconds
+
+    def corrupt(self, key: str) -> bool:
+        with self.store.lock:
+            entry = self.store.objects.get(key)
+            if entry is None:
+                return False
+            data, crc = entry
+            self.store.objects[key] = (bytes([data[0] ^ 0xFF]) + data[1:], crc)
+            return True
+
+
+class MemStore(Backend):
+    """Correct reference: objects in a dict of this client, under a lock."""
+
+    class Options(BackendOptions):
+        capacity_bytes: int = 64 << 20
+
+    CAPS = Capabilities(detects_corruption=True, listing=True, max_key_bytes=128, max_object_bytes=8 << 20)
+
+    def __init__(self, options: Options) -> None:
+        self.capacity = options.capacity_bytes
+        self.objects: dict[str, tuple[bytes, int]] = {}  # key -> (bytes, crc32)
+        self.used = 0
+        self.lock = threading.RLock()
+        self.closed = False
+        self.slow_s = 0.0
+
+    @classmethod
+    def create(cls, options: Options, ctx: BackendContext) -> MemStore:
+        return cls(options)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.CAPS
+
+    def _gate(self, n: int, timeout_s: float) -> list[Status] | None:
+        """Statuses for the whole batch when the call cannot proceed."""
+        if self.closed:
+            return [UNAVAILABLE] * n
+        if self.slow_s:
+            time.sleep(min(self.slow_s, timeout_s))
+            if self.slow_s > timeout_s:
+                return [TIMEOUT] * n
+        return None
+
+    def _key_ok(self, key: str) -> bool:
+        allowed = string.ascii_letters + string.digits + self.capabilities.key_extra_chars
+        return 0 < len(key.encode()) <= self.capabilities.max_key_bytes and all(c in allowed for c in key)
+
+    def exists(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
+        if (early := self._gate(len(keys), timeout_s)) is not None:
+            return early
+        with self.lock:
+            return [OK if k in self.objects else NOT_FOUND if self._key_ok(k) else INVALID for k in keys]
+
+    def put(self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float) -> list[Status]:
+        if (early := self._gate(len(keys), timeout_s)) is not None:
+            return early
+        out = []
+        for key, regs in zip(keys, regions, strict=True):
+            size = sum(r.length for r in regs)
+            if not self._key_ok(key) or size > self.capabilities.max_object_bytes:
+                out.append(INVALID)
+            else:
+                out.append(self._write(key, gather(regs)))
+        return out
+
+    def _write(self, key: str, data: bytes) -> Status:
+        with self.lock:
+            old = len(self.objects[key][0]) if key in self.objects else 0
+            if self.used - old + len(data) > self.capacity:
+                return NO_SPACE
+            self.objects[key] = (data, zlib.crc32(data))
+            self.used += len(data) - old
+            return OK
+
+    def get(self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float) -> list[Status]:
+        if (early := self._gate(len(keys), timeout_s)) is not None:
+            return early
+        out = []
+        for key, regs in zip(keys, regions, strict=True):
+            status, data = self._read(key)
+            if status is OK and sum(r.length for r in regs) != len(data):
+                status = INVALID
+            if status is OK:
+                self._scatter(data, regs)
+            out.append(status)
+        return out
+
+    def _read(self, key: str) -> tuple[Status, bytes]:
+        with self.lock:
+            entry = self.objects.get(key)
+        if entry is None:
+            return NOT_FOUND, b""
+        data, crc = entry
+        return (OK, data) if zlib.crc32(data) == crc else (CORRUPT, b"")
+
+    def _scatter(self, data: bytes, regions: Sequence[Region]) -> None:
+        scatter(data, regions)
+
+    def remove(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
+        if (early := self._gate(len(keys), timeout_s)) is not None:
+            return early
+        out = []
+        with self.lock:
+            for key in keys:
+                entry = self.objects.pop(key, None)
+                self.used -= len(entry[0]) if entry else 0
+                out.append(OK if entry else NOT_FOUND)
+        return out
+
+    def _matches(self, key: str, prefix: str) -> bool:
+        return key.startswith(prefix)
+
+    def remove_prefix(self, prefix: str, timeout_s: float) -> tuple[Status, int]:
+        if (early := self._gate(1, timeout_s)) is not None:
+            return early[0], 0
+        with self.lock:
+            doomed = [k for k in self.objects if self._matches(k, prefix)]
+        return OK, self.remove(doomed, timeout_s).count(OK)
+
+    def list_keys(self, prefix: str = "", limit: int = 1000) -> Iterator[str]:
+        with self.lock:
+            keys = sorted(self.objects)
+        return itertools.islice((k for k in keys if k.startswith(prefix)), limit)
+
+    def stats(self) -> dict[str, Any]:
+        return {"capacity_bytes": self.capacity, "used_bytes": self.used, "objects": len(self.objects)}
+
+    def health(self, timeout_s: float) -> Health:
+        return Health(UNAVAILABLE if self.closed else OK)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def test_hooks(self) -> MemHooks:
+        return MemHooks(self)
+
+
+# ---------------------------------------------------------------------------
+# Planted bugs: each is the reference with one thing wrong.
+
+
+class ExistsLies(MemStore):
+    def exists(self, keys, timeout_s):
+        return [OK] * len(keys)
+
+
+class StaleReadCache(MemStore):
+    """Serves a per-client read cache that nothing invalidates."""
+
+    def __init__(self, options):
+        super().__init__(options)
+        self.cache: dict[str, bytes] = {}
+
+    def _read(self, key):
+        if key in self.cache:
+            return OK, self.cache[key]
+        status, data = super()._read(key)
+        if status is OK:
+            self.cache[key] = data
+        return status, data
+
+
+class TruncatedGet(MemStore):
+    def _scatter(self, data, regions):
+        scatter(data[:-1], [*regions[:-1], Region(regions[-1].addr, regions[-1].length - 1)])
+
+
+class DropsLastKeyOfBatch(MemStore):
+    def put(self, keys, regions, timeout_s):
+        if len(keys) < 2:
+            return super().put(keys, regions, timeout_s)
+        return super().put(keys[:-1], regions[:-1], timeout_s) + [OK]
+
+
+class WrongStatusForMissing(MemStore):
+    def _read(self, key):
+        status, data = super()._read(key)
+        return (INVALID, data) if status is NOT_FOUND else (status, data)
+
+
+class IgnoresTimeout(MemStore):
+    """Waits for the slow store however long it takes."""
+
+    def _gate(self, n, timeout_s):
+        if self.closed:
+            return [UNAVAILABLE] * n
+        time.sleep(self.slow_s)
+        return None
+
+
+class TornWrites(MemStore):
+    """Overwrites objects in place piece by piece, and reads them the same way, without a lock."""
+
+    CAPS = dataclasses.replace(MemStore.CAPS, detects_corruption=False)
+
+    def _write(self, key, data):
+        with self.lock:
+            entry = self.objects.get(key)
+        if entry is None or len(entry[0]) != len(data):
+            return super()._write(key, bytearray(data))
+        target = entry[0]
+        step = -(-len(data) // 4)
+        for pos in range(0, len(data), step):
+            target[pos : pos + step] = data[pos : pos + step]
+            time.sleep(0.0005)
+        return OK
+
+    def _read(self, key):
+        with self.lock:
+            entry = self.objects.get(key)
+        if entry is None:
+            return NOT_FOUND, b""
+        source, parts = entry[0], []
+        step = -(-len(source) // 4)
+        for pos in range(0, len(source), step):
+            parts.append(bytes(source[pos : pos + step]))
+            time.sleep(0.0005)
+        return OK, b"".join(parts)
+
+
+class RemovedStillReadable(MemStore):
+    """remove() only hides keys from exists()."""
+
+    def __init__(self, options):
+        super().__init__(options)
+        self.hidden: set[str] = set()
+
+    def remove(self, keys, timeout_s):
+        out = [OK if k in self.objects and k not in self.hidden else NOT_FOUND for k in keys]
+        self.hidden.update(keys)
+        return out
+
+    def exists(self, keys, timeout_s):
+        return [
+            NOT_FOUND if k in self.hidden else s
+            for k, s in zip(keys, super().exists(keys, timeout_s), strict=True)
+        ]
+
+    def _write(self, key, data):
+        self.hidden.discard(key)
+        return super()._write(key, data)
+
+
+class PrefixAsRegex(MemStore):
+    """Hands the prefix to a regex engine unescaped (as with a store's remove_by_regex)."""
+
+    def _matches(self, key, prefix):
+        return re.match(prefix, key) is not None
+
+
+class RaisesWhenFull(MemStore):
+    def _write(self, key, data):
+        if super()._write(key, data) is NO_SPACE:
+            raise MemoryError("pool exhausted")
+        return OK
+
+
+class FullDropsSilently(MemStore):
+    def _write(self, key, data):
+        super()._write(key, data)
+        return OK
+
+
+class ReversedRegions(MemStore):
+    """Fills the regions of a multi-region get back to front."""
+
+    def _scatter(self, data, regions):
+        pos = 0
+        for r in reversed(regions):
+            ctypes.memmove(r.addr, data[pos : pos + r.length], r.length)
+            pos += r.length
+
+
+class WritesPastRegion(MemStore):
+    """Copies whole 8-byte words, past the end of an odd-sized region."""
+
+    def _scatter(self, data, regions):
+        pos = 0
+        for r in regions:
+            n = -(-r.length // 8) * 8
+            ctypes.memmove(r.addr, data[pos : pos + n].ljust(n, b"\0"), n)
+            pos += r.length
+
+
+class ClaimsPersistence(MemStore):
+    CAPS = dataclasses.replace(MemStore.CAPS, persistent=True)
+
+
+class ClaimsSharing(MemStore):
+    CAPS = dataclasses.replace(MemStore.CAPS, shared_across_processes=True)
+
+
+class CorruptionUndetected(MemStore):
+    def _read(self, key):
+        with self.lock:
+            entry = self.objects.get(key)
+        return (OK, entry[0]) if entry else (NOT_FOUND, b"")
+
+
+class CrashesAfterClose(MemStore):
+    def _gate(self, n, timeout_s):
+        if self.closed:
+            raise RuntimeError("client is closed")
+        return super()._gate(n, timeout_s)
+
+
+class OverwriteIgnored(MemStore):
+    """Declares overwrite_on_put (the default) but keeps the first value."""
+
+    def _write(self, key, data):
+        with self.lock:
+            if key in self.objects:
+                return OK
+        return super()._write(key, data)
+
+
+class KeyLimitLie(MemStore):
+    """Declares 128-byte keys but refuses anything over 100."""
+
+    def _key_ok(self, key):
+        return super()._key_ok(key) and len(key) <= 100
+
+
+#: bug -> the suite's tests that must catch it
+PLANTED: dict[type[MemStore], set[str]] = {
+    ExistsLies: {"test_absent_keys_are_not_found", "test_batch_mixing_present_and_absent_keys"},
+    StaleReadCache: {"test_duplicate_put_semantics_as_declared", "test_removed_key_is_gone"},
+    TruncatedGet: {"test_put_exists_get_byte_exact"},
+    DropsLastKeyOfBatch: {"test_every_key_of_a_batch_put_is_stored"},
+    WrongStatusForMissing: {"test_absent_keys_are_not_found", "test_batch_mixing_present_and_absent_keys"},
+    IgnoresTimeout: {"test_timeout_surfaces_as_timeout_status"},
+    TornWrites: {"test_concurrent_writers_and_readers"},
+    RemovedStillReadable: {"test_removed_key_is_gone"},
+    PrefixAsRegex: {"test_remove_by_prefix"},
+    RaisesWhenFull: {"test_capacity_full"},
+    FullDropsSilently: {"test_capacity_full"},
+    ReversedRegions: {"test_several_regions_per_key"},
+    WritesPastRegion: {"test_odd_sizes_and_alignments"},
+    ClaimsPersistence: {"test_persistence_across_reopen"},
+    ClaimsSharing: {"test_visible_from_another_process"},
+    CorruptionUndetected: {"test_corruption_is_detected"},
+    CrashesAfterClose: {"test_calls_after_close_are_unavailable"},
+    OverwriteIgnored: {"test_duplicate_put_semantics_as_declared"},
+    KeyLimitLie: {"test_key_length_limit"},
+}
+
+
+def memstore_factory(cls: type[MemStore]) -> BackendFactory:
+    return BackendFactory(cls, config={}, small_config=SMALL)
+
+
+class TestReferencePassesEverything(BackendConformance):
+    """The reference, subclassing form, whole suite: what the bugs are measured against."""
+
+    @pytest.fixture
+    def backend_factory(self) -> BackendFactory:
+        return memstore_factory(MemStore)
+
+
+HEADER = """
+import sys
+sys.path.insert(0, {tests_dir!r})
+import pytest
+from ascendstore_conformance import BackendConformance
+import test_conformance_planted as planted
+"""
+
+CLASS = """
+
+class {name}(BackendConformance):
+    @pytest.fixture
+    def backend_factory(self):
+        return planted.memstore_factory(planted.{backend})
+"""
+
+LINE = re.compile(r"^(PASSED|FAILED|ERROR) \S+::(\w+)::(\w+)", re.M)
+
+
+@pytest.fixture(scope="module")
+def planted_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, dict[str, str]], str]:
+    """One pytest run (a separate process) of the suite's tests that should catch
+    each bug, against the buggy backend and against the reference."""
+    where = tmp_path_factory.mktemp("planted")
+    source = HEADER.format(tests_dir=str(Path(__file__).parent)) + CLASS.format(
+        name="TestGood", backend="MemStore"
+    )
+    node_ids = []
+    for bug, must_fail in PLANTED.items():
+        source += CLASS.format(name=f"TestBug{bug.__name__}", backend=bug.__name__)
+        node_ids += [f"test_planted.py::TestBug{bug.__name__}::{t}" for t in sorted(must_fail)]
+    node_ids += sorted({f"test_planted.py::TestGood::{t}" for tests in PLANTED.values() for t in tests})
+    (where / "test_planted.py").write_text(source)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "-o", "addopts=", *node_ids],
+        cwd=where,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    outcomes: dict[str, dict[str, str]] = {}
+    for outcome, cls, test in LINE.findall(done.stdout):
+        outcomes.setdefault(cls, {})[test] = outcome
+    return outcomes, done.stdout + done.stderr
+
+
+def test_reference_passes_the_tests_that_catch_the_bugs(planted_run) -> None:
+    outcomes, log = planted_run
+    want = {t for tests in PLANTED.values() for t in tests}
+    good = outcomes.get("TestGood", {})
+    # Skipped ones (not in the report) are those for capabilities the reference does not claim.
+    assert set(good.values()) == {"PASSED"}, log[-5000:]
+    assert want - set(good) <= {"test_persistence_across_reopen", "test_visible_from_another_process"}, good
+
+
+@pytest.mark.parametrize("bug", list(PLANTED), ids=lambda c: c.__name__)
+def test_planted_bug_fails_the_suite(planted_run, bug: type[MemStore]) -> None:
+    outcomes, log = planted_run
+    got = outcomes.get(f"TestBug{bug.__name__}", {})
+    must_fail = PLANTED[bug]
+    assert set(got) == must_fail, f"{bug.__name__}: tests did not run: {must_fail - set(got)}\n{log[-3000:]}"
+    # FAILED, not ERROR: the bug is caught by the test's checks, not by a broken set-up.
+    slipped = {t: got[t] for t in must_fail if got[t] != "FAILED"}
+    assert not slipped, f"{bug.__name__} slipped through {slipped}"
+
+
+def test_at_least_eight_distinct_bugs_are_planted() -> None:
+    assert len(PLANTED) >= 8
+    assert len({frozenset(v) for v in PLANTED.values()}) >= 8, "bugs must be caught by different tests"
