@@ -190,7 +190,7 @@ def main(
     if as_json:
         print(json.dumps(results, indent=2))
         return
-    con = Console()
+    con = Console(width=120)
     t = Table(title=f"local pool vs memcpy (batches of {BATCH}; GB/s, ratio = pool / memcpy)")
     for col in ("object", "checksum", "memcpy in", "put", "put ratio", "memcpy out", "get", "get ratio"):
         t.add_column(col, justify="right", no_wrap=True)

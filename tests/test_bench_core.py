@@ -7,7 +7,13 @@ import json
 import pytest
 from rich.console import Console
 
-from ascendstore.bench.bound import block_hashes, cacheable_blocks, infinite_cache_hits, working_set_blocks
+from ascendstore.bench.bound import (
+    block_hashes,
+    cacheable_blocks,
+    infinite_cache_hits,
+    reusable_blocks,
+    working_set_blocks,
+)
 from ascendstore.bench.cost import PrefillCostModel
 from ascendstore.bench.display import report_table, write_plots, write_sweep_plot
 from ascendstore.bench.report import BenchReport, RequestRecord, build_report, report_schema
@@ -157,6 +163,7 @@ def test_infinite_cache_bound_by_hand():
     assert infinite_cache_hits(reqs, bs) == [0, 8, 12, 4, 0, 0]
     assert cacheable_blocks(12, 4) == 2 and cacheable_blocks(13, 4) == 3
     assert working_set_blocks(reqs, bs) == 3 + 1 + 2 + 3
+    assert reusable_blocks(reqs, bs) == 3  # only the shared base blocks are worth pooling
 
 
 # -- cost model ------------------------------------------------------------------------

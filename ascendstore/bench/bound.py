@@ -58,3 +58,13 @@ def working_set_blocks(requests: Sequence[BenchRequest], block_size: int) -> int
     for r in requests:
         seen.update(block_hashes(r.prompt, block_size, r.tenant))
     return len(seen)
+
+
+def reusable_blocks(requests: Sequence[BenchRequest], block_size: int) -> int:
+    """Distinct full blocks that more than one request's prompt contains: the
+    working set a pool is for (one-off blocks, e.g. GR candidates, never hit)."""
+    count: dict[bytes, int] = {}
+    for r in requests:
+        for h in set(block_hashes(r.prompt, block_size, r.tenant)):
+            count[h] = count.get(h, 0) + 1
+    return sum(1 for n in count.values() if n > 1)

@@ -84,6 +84,7 @@ class BenchReport(_Model):
     infinite_cache_bound_ratio: float
     #: saved / bound: how much of the achievable saving was achieved.
     bound_efficiency: float
+    #: bytes of the distinct chunks that more than one request uses (the base of --pool-capacity).
     working_set_bytes: int = 0
     load_errors: int = 0
     lookup_latency_us: Percentiles

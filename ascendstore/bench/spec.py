@@ -48,7 +48,8 @@ class BenchSpec(BaseModel):
     # -- the fake engine -------------------------------------------------------------
     block_size: int = Field(16, ge=1)
     chunk_size: int | None = Field(None, ge=1)
-    #: device (HBM) KV blocks. None: a fifth of the workload's working set (at least
+    #: device (HBM) KV blocks. None: a fifth of the workload's working set (blocks more
+    #: than one request uses; at least
     #: what one full batch plus two longest requests need), so vLLM's own prefix
     #: cache evicts and the pool matters, as on a real deployment.
     device_blocks: int | None = Field(None, ge=16)

@@ -166,7 +166,7 @@ def workload(
     block_size: Annotated[int, typer.Option(help="vLLM block size for the infinite-cache bound")] = 16,
 ) -> None:
     """Describe a benchmark workload and its infinite-cache bound (no vLLM needed)."""
-    from ascendstore.bench.bound import infinite_cache_hits, working_set_blocks
+    from ascendstore.bench.bound import infinite_cache_hits, reusable_blocks, working_set_blocks
     from ascendstore.bench.workloads import make_workload
 
     try:
@@ -181,7 +181,8 @@ def workload(
     t.add_row("requests", str(len(w.requests)))
     t.add_row("prompt tokens (total / min / max)", f"{sum(lens)} / {min(lens)} / {max(lens)}")
     t.add_row("span (s)", f"{w.requests[-1].arrival_s - w.requests[0].arrival_s:.1f}")
-    t.add_row("distinct full blocks (working set)", str(working_set_blocks(w.requests, block_size)))
+    t.add_row("distinct full blocks", str(working_set_blocks(w.requests, block_size)))
+    t.add_row("... used by more than one request (working set)", str(reusable_blocks(w.requests, block_size)))
     t.add_row("infinite-cache bound", f"{100 * sum(hits) / max(1, sum(lens)):.1f}% of prompt tokens")
     for k, v in w.params.items():
         t.add_row(f"param {k}", str(v))

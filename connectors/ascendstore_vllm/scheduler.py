@@ -52,6 +52,10 @@ class AscendStoreScheduler:
         self._trackers: dict[str, _Tracker] = {}
         self._matched: dict[str, tuple[int, int, bool]] = {}  # req -> (local, hit tokens, async)
         self._loads: list[LoadSpec] = []
+        # Loads in flight: req -> (async?, [(chunk index, device blocks)]), and for a
+        # request whose load failed the first chunk it must not be offered again.
+        self._inflight_loads: dict[str, tuple[bool, list[tuple[int, set[int]]]]] = {}
+        self._bad_from: dict[str, int] = {}
         self._delayed_free: list[str] = []
         self._events: list[Any] = []
         self.request_params_hooks: list[RequestParamsHook] = []
@@ -121,6 +125,10 @@ class AscendStoreScheduler:
         hashes = [block_hash_hex(request.block_hashes[end - 1]) for _, end in bounds]
         tenant = self.ctx.tenant(request.cache_salt)
         hit = self._prefix_hits(tenant, hashes, start)
+        # A chunk that failed to load for this request is not offered again: vLLM
+        # rewinds a failed async load to token 0 and asks again; offering the same
+        # broken entry would loop forever.
+        hit = min(hit, self._bad_from.get(request.request_id, hit))
         hit_tokens = bounds[hit - 1][1] * bs if hit > start else 0
         if hit_tokens >= request.num_tokens:
             # vLLM must compute at least one token to sample from.
@@ -164,6 +172,8 @@ class AscendStoreScheduler:
         if not chunks:
             return
         self._loads.append(LoadSpec(request.request_id, tr.tenant, chunks, is_async))
+        self._inflight_loads[request.request_id] = (is_async, [(c.index, {b for b in c.block_ids if b >= 0})
+                                                               for c in chunks])
         tr.loading_async = is_async
         # Loaded chunks are in the pool already; never save them back.
         tr.next_save_block = max(tr.next_save_block, bounds[chunks[-1].index][1])
@@ -245,11 +255,22 @@ class AscendStoreScheduler:
         )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        return
+        invalid = connector_output.invalid_block_ids
+        if invalid:
+            for req_id, (_, chunks) in self._inflight_loads.items():
+                bad = [idx for idx, blocks in chunks if blocks & invalid]
+                if bad:
+                    self._bad_from[req_id] = min(self._bad_from.get(req_id, bad[0]), bad[0])
+        done = set(connector_output.finished_recving or ())
+        # Sync and layerwise loads report within the step they ran in; async ones
+        # when finished_recving names them.
+        self._inflight_loads = {r: v for r, v in self._inflight_loads.items() if v[0] and r not in done}
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         tr = self._trackers.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
+        self._bad_from.pop(request.request_id, None)
+        self._inflight_loads.pop(request.request_id, None)
         if tr is None or not tr.saves_planned:
             return False, None
         # Saves may still be reading these blocks: free them when every worker

@@ -48,6 +48,23 @@ def test_failed_gets_are_recomputed(pool_root, mode):
         b.close()
 
 
+@pytest.mark.parametrize("mode", [{}, {"load_async": True}, {"use_layerwise": True}], ids=["sync", "async", "layerwise"])
+def test_every_get_failing_does_not_loop(pool_root, mode):
+    """Metadata says hit, data path broken: vLLM rewinds a failed async load to
+    token 0 and asks again; the connector must not offer the broken chunks again."""
+    fill_pool(pool_root, **mode)
+    b = EngineHarness(EngineSpec(extra_config=pool_config(pool_root, backend_config={"fail_get_every": 1}, **mode)))
+    try:
+        b.add_request("b", PROMPT_B)
+        b.run(timeout_s=60)
+        assert b.stats_total()["load_ops"] == 0 if "load_ops" in b.stats_total() else True
+        assert exact(b, "b", PROMPT_B)
+        lookups = b.connector.scheduler.metrics.totals()["lookups"]
+        assert lookups <= 2, f"{lookups} lookups: the failed entry was offered again and again"
+    finally:
+        b.close()
+
+
 def test_hanging_get_times_out_and_request_completes(pool_root):
     fill_pool(pool_root)
     cfg = pool_config(pool_root, timeout_ms=200, backend_config={"hang_ops": ["get"], "hang_s": 1.5})

@@ -157,7 +157,8 @@ class PutGetTests:
         limit = harness.caps.max_object_bytes
         if limit + 1 > bound_factory.max_test_bytes:
             pytest.skip(
-                f"max_object_bytes={limit} is above --backend-max-test-bytes={bound_factory.max_test_bytes}"
+                f"this test writes max_object_bytes+1={limit + 1} bytes, over "
+                f"--backend-max-test-bytes={bound_factory.max_test_bytes}"
             )
         key, ok_key = harness.keys("over", "beside")
         big = harness.source(pattern("over", limit + 1))

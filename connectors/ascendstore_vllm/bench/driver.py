@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ascendstore.bench.bound import infinite_cache_hits, working_set_blocks
+from ascendstore.bench.bound import infinite_cache_hits, reusable_blocks
 from ascendstore.bench.report import BenchReport, RequestRecord, build_report
 from ascendstore.bench.spec import (
     BenchSpec,
@@ -171,7 +171,8 @@ class BenchDriver:
             raise ValueError(f"chunk_size {self.chunk_size} must be a multiple of block_size {bs}")
         self.bound = infinite_cache_hits(self.workload.requests, bs)
         chunk_bytes = self.chunk_size * spec.kv_bytes_per_token()
-        self.working_set_chunks = working_set_blocks(self.workload.requests, self.chunk_size)
+        # Pool capacity is a fraction of the *reusable* set: chunks more than one request uses.
+        self.working_set_chunks = max(1, reusable_blocks(self.workload.requests, self.chunk_size))
         self.working_set_bytes = self.working_set_chunks * chunk_bytes
         opts = dict(spec.backend_config)
         if spec.backend == "local":
@@ -183,7 +184,7 @@ class BenchDriver:
         self.extra_config = connector_extra_config(spec, self.backend_config)
         longest = max(r.prompt_len + r.output_len for r in self.workload.requests)
         self.device_blocks = spec.device_blocks or auto_device_blocks(
-            spec, working_set_blocks(self.workload.requests, bs), longest
+            spec, reusable_blocks(self.workload.requests, bs), longest
         )
 
     def _engine(self) -> Any:
