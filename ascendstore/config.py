@@ -127,6 +127,10 @@ class AscendStoreConfig(BaseModel):
     )
     max_inflight_bytes: ByteSize = Field(0, description="per rank; 0: unlimited")
     transfer_queue_size: int = Field(64, ge=1, description="bounded queue per transfer thread")
+    staging_buffer_bytes: ByteSize = Field(
+        256 << 20,
+        description="pinned host buffer per direction for KV on a device the backend cannot read (cuda/npu)",
+    )
     min_lookup_tokens: int = Field(0, ge=0, description="skip pool lookups for shorter prompts")
     tenant: str | None = Field(None, description="default tenant when a request has no cache_salt")
     instance_id: str | None = Field(None, description="names this vLLM instance in IPC paths")

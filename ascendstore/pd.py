@@ -64,9 +64,11 @@ def pool_access(kv_role: str | None, cfg: AscendStoreConfig) -> PoolAccess:
 
 # -- the composition --------------------------------------------------------------
 def is_pool_child(child: Mapping[str, Any]) -> bool:
-    name = child.get("kv_connector")
-    path = str(child.get("kv_connector_module_path") or "")
-    return name in (POOL_CONNECTOR, POOL_CONNECTOR_ALIAS) or path.startswith("ascendstore_vllm")
+    """AscendStore's prefix-pool connector (not, say, the GR user-store connector)."""
+    path = child.get("kv_connector_module_path")
+    if path:
+        return path == POOL_MODULE
+    return child.get("kv_connector") in (POOL_CONNECTOR, POOL_CONNECTOR_ALIAS)
 
 
 def is_p2p_child(child: Mapping[str, Any]) -> bool:
@@ -112,12 +114,15 @@ def validate_pd_config(
     tp_size: int | None = None,
     pp_size: int | None = None,
     num_layers: int | None = None,
+    bounded_load_retry: bool = True,
 ) -> list[str]:
     """Every known mistake in a PD-mixed or PD-split kv-transfer-config, as
     sentences naming the key, the value and the fix; [] when it is sound.
 
     ``tp_size``/``pp_size``/``num_layers`` describe this instance when known (the
     engine knows them; the command line may be told) and enable the layout checks.
+    ``bounded_load_retry``: whether the pool connector stops offering a request
+    the chunks whose load failed (AscendStore's does; see ``_check_hangs``).
     """
     ktc = kv_transfer_config
     if not isinstance(ktc, Mapping):
@@ -162,7 +167,8 @@ def validate_pd_config(
         problems.append(str(exc))
         return problems
     problems += _check_roles(role, cfg, tp_size=tp_size, pp_size=pp_size, num_layers=num_layers)
-    problems += _check_hangs(policy, cfg)
+    if not bounded_load_retry:
+        problems += _check_hangs(policy, cfg)
     return problems
 
 
@@ -307,7 +313,9 @@ def _check_hangs(policy: str, cfg: AscendStoreConfig) -> list[str]:
         # reports the hit (metadata fine, data path broken) is chosen again,
         # fails again, forever (the loop vLLM PR #55297 fixes for its own
         # MooncakeStoreConnector). Synchronous loads rewind in place and
-        # recompute without a new lookup.
+        # recompute without a new lookup. AscendStore's connector caps the
+        # request's next hit below the first failed chunk, which ends the loop;
+        # a pool connector without that bound must not run this combination.
         problems.append(
             "kv_load_failure_policy 'recompute' with load_async: true can loop forever: a failed asynchronous "
             "load that restarts from token 0 is looked up again, hits the same pool entry and fails again. "

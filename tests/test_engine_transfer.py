@@ -10,7 +10,15 @@ import torch
 from engine_helpers import MemBackend
 
 from ascendstore.contract import Region, Status
-from ascendstore.engine import BackendGuard, ChunkOp, KeyBuilder, PoolLookup, ReplicaGroup, TransferEngine, stagger
+from ascendstore.engine import (
+    BackendGuard,
+    ChunkOp,
+    KeyBuilder,
+    PoolLookup,
+    ReplicaGroup,
+    TransferEngine,
+    stagger,
+)
 from ascendstore.engine.transfer import batches
 from ascendstore.keys import RankPart
 

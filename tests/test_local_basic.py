@@ -414,3 +414,18 @@ def test_checksum_is_streaming_and_the_same_in_avx2_and_scalar_form():
     )
     assert _shmpool.checksum(a + b) != _shmpool.checksum(b + a)  # order matters
     assert _shmpool.checksum(b"") != _shmpool.checksum(b"\0")  # so does length
+
+
+def test_a_process_exiting_without_close_still_removes_its_pool():
+    import subprocess
+    import sys
+
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    code = (
+        "from ascendstore.contract import BackendContext; from ascendstore.local.backend import LocalBackend;"
+        "from ascendstore.local.options import LocalOptions;"
+        f"b = LocalBackend.create(LocalOptions(name={name!r}, capacity='1MiB'), BackendContext());"
+        f"import os; assert os.path.exists('/dev/shm/ascendstore-pool.{name}')"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert not os.path.exists(f"/dev/shm/ascendstore-pool.{name}")

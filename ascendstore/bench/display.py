@@ -54,8 +54,9 @@ def report_table(report: BenchReport) -> Table:
         tiers = f"{b['hits'] - b.get('disk_hits', 0):.0f} DRAM"
         if "disk_hits" in b:
             tiers += f" / {b['disk_hits']:.0f} disk"
-        extra = ", ".join(f"{b[k]:.0f} {k}" for k in ("misses", "evictions", "spills") if k in b)
-        rows.insert(4, ("pool objects hit, by tier (backend)", tiers + (f"  ({extra})" if extra else "")))
+        if "evictions" in b:
+            tiers += f", {b['evictions']:.0f} evicted"
+        rows.insert(4, ("pool objects hit by tier (backend)", tiers))
     if r.pool_capacity_fraction is not None:
         rows.insert(
             5,

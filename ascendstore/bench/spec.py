@@ -15,6 +15,7 @@ is one function that the GR mode and the tests can read:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -48,10 +49,9 @@ class BenchSpec(BaseModel):
     # -- the fake engine -------------------------------------------------------------
     block_size: int = Field(16, ge=1)
     chunk_size: int | None = Field(None, ge=1)
-    #: device (HBM) KV blocks. None: a fifth of the workload's working set (blocks more
-    #: than one request uses; at least
-    #: what one full batch plus two longest requests need), so vLLM's own prefix
-    #: cache evicts and the pool matters, as on a real deployment.
+    #: device (HBM) KV blocks. None: a fifth of the workload's working set (blocks
+    #: more than one request uses), but at least what one full batch plus two of the
+    #: longest requests need; so vLLM's own prefix cache evicts and the pool matters.
     device_blocks: int | None = Field(None, ge=16)
     max_num_seqs: int = Field(16, ge=1)
     max_num_batched_tokens: int = Field(4096, ge=16)
@@ -130,3 +130,31 @@ def gr_request_params(user: str | None, history_len: int) -> dict[str, Any] | No
     from ascendstore.gr.inputs import HISTORY_KEY, UID_KEY
 
     return {UID_KEY: user, HISTORY_KEY: history_len}
+
+
+def gr_simulation(
+    workload_params: dict[str, Any],
+    block_size: int,
+    capacities: list[float],
+    granularities: list[str],
+) -> list[Any]:
+    """The GR pool-only simulation (``ascendstore.gr.sim``) of the same ``gr``
+    workload shape: user- vs block-granular LRU pools with no device cache in
+    front, as a model to read the measured runs against."""
+
+    from ascendstore.bench.workloads import gr
+    from ascendstore.gr.sim import GRWorkload, sweep
+
+    p = {k: v.default for k, v in inspect.signature(gr).parameters.items()}
+    p.update(workload_params)
+    h = int(p["history_tokens"])
+    w = GRWorkload(
+        users=int(p["users"]),
+        requests=int(p["requests"]),
+        zipf_s=float(p["zipf_s"]),
+        block_size=block_size,
+        history_blocks=(max(1, h // 2 // block_size), max(1, h * 3 // 2 // block_size)),
+        candidate_tokens=int(p["candidates"]) * int(p["item_tokens"]),
+        seed=int(p["seed"]),
+    )
+    return sweep(capacities, granularities, w)

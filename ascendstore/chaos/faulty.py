@@ -133,6 +133,11 @@ class FaultyBackend(Backend):
         self._control_checked = 0.0
         hooks = inner.test_hooks()
         self._corrupt_hook = getattr(hooks, "corrupt", None) if hooks is not None else None
+        if options.corrupt_rate and self._corrupt_hook is None:
+            raise BackendSetupError(
+                f"faulty: corrupt_rate needs the wrapped backend {options.backend!r} to offer the "
+                "test hook corrupt(key); use flip_rate to damage bytes after reads instead"
+            )
         _LIVE.add(self)
 
     @classmethod
@@ -141,14 +146,11 @@ class FaultyBackend(Backend):
         from ascendstore.registry import create_backend
 
         inner = create_backend(options.backend, options.backend_config, ctx)
-        self = cls(inner, options, ctx)
-        if options.corrupt_rate and self._corrupt_hook is None:
+        try:
+            return cls(inner, options, ctx)
+        except BaseException:
             inner.close()
-            raise BackendSetupError(
-                f"faulty: corrupt_rate needs the wrapped backend {options.backend!r} to offer the "
-                "test hook corrupt(key); use flip_rate to damage bytes after reads instead"
-            )
-        return self
+            raise
 
     # -- run-time control --------------------------------------------------------------
     def set_faults(self, **changes: Any) -> None:
@@ -223,7 +225,8 @@ class FaultyBackend(Backend):
     def _split(self, op: str, n: int) -> list[bool]:
         rate = self.options.fail_rate.get(op, 0.0)  # type: ignore[call-overload]
         fails = [self._draw(rate) for _ in range(n)]
-        self.injected["fail"] += sum(fails)
+        if any(fails):
+            self.injected["fail"] += sum(fails)
         return fails
 
     def _keyed(
@@ -342,7 +345,7 @@ class FaultyBackend(Backend):
         return self.inner.list_keys(prefix, limit)
 
     def stats(self) -> Mapping[str, Any]:
-        return {"injected": dict(self.injected), "quota_used_bytes": self._quota_used, "inner": dict(self.inner.stats())}
+        return {"injected": {k: v for k, v in self.injected.items() if v}, "quota_used_bytes": self._quota_used, "inner": dict(self.inner.stats())}
 
     def test_hooks(self) -> BackendTestHooks | None:
         return self.inner.test_hooks()

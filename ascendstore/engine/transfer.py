@@ -19,6 +19,7 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ascendstore.contract import Region, Status
 from ascendstore.engine.guard import BackendGuard
@@ -27,6 +28,23 @@ from ascendstore.engine.plan import ChunkOp, stagger
 log = logging.getLogger(__name__)
 
 Hook = Callable[[], None]
+
+
+class Stager(Protocol):
+    """Moves KV between memory the backend cannot read (device) and host buffers.
+
+    ``capacity`` bounds the bytes of one batch (one host buffer per direction)."""
+
+    capacity: int
+
+    def stage_out(self, ops: Sequence[ChunkOp]) -> list[list[Region]]:
+        """Copy the ops' bytes into the save buffer; host regions per op (for put)."""
+
+    def stage_in(self, ops: Sequence[ChunkOp]) -> list[list[Region]]:
+        """Host regions per op in the load buffer (for get)."""
+
+    def commit_in(self, ops: Sequence[ChunkOp], ok: Sequence[bool]) -> None:
+        """Copy the loaded ops (ok[i]) from the load buffer to their device regions."""
 
 
 @dataclass
@@ -109,8 +127,12 @@ class TransferEngine:
         stagger_size: int = 1,
         stagger_delay_s: float = 0.0,
         name: str = "ascendstore",
+        stager: Stager | None = None,
     ) -> None:
         self.guard = guard
+        self.stager = stager
+        # One staging buffer per direction; sync loads share the load one.
+        self._stage_locks = {"load": threading.Lock(), "save": threading.Lock()}
         self.metrics = guard.metrics
         self.timeout_s = guard.timeout_s
         self.max_inflight_bytes = max_inflight_bytes
@@ -296,14 +318,19 @@ class TransferEngine:
             self.load_order.append([op.key for op in ops])
         if self.stagger_delay_s and self.stagger_index:
             time.sleep(self.stagger_delay_s * self.stagger_index)
-        for batch in batches(ops, self.max_inflight_bytes):
+        for batch in batches(ops, self._batch_limit()):
             nbytes = sum(op.nbytes for op in batch)
             if not self._budget.acquire(nbytes, self.timeout_s):
                 statuses = [Status.TIMEOUT] * len(batch)
             else:
                 t0 = time.perf_counter()
                 try:
-                    statuses = self._get(batch)
+                    if self.stager is None:
+                        statuses = self._get(batch, [op.regions for op in batch])
+                    else:
+                        with self._stage_locks["load"]:
+                            statuses = self._get(batch, self.stager.stage_in(batch))
+                            self.stager.commit_in(batch, [st is Status.OK for st in statuses])
                 finally:
                     self._budget.release(nbytes)
                 dt = time.perf_counter() - t0
@@ -319,10 +346,14 @@ class TransferEngine:
             if task.after is not None:
                 task.after(batch, statuses)
 
-    def _get(self, batch: list[ChunkOp]) -> list[Status]:
+    def _batch_limit(self) -> int:
+        limits = [x for x in (self.max_inflight_bytes, self.stager.capacity if self.stager else 0) if x]
+        return min(limits) if limits else 0
+
+    def _get(self, batch: list[ChunkOp], regions: list[list[Region]]) -> list[Status]:
         keys = [op.key for op in batch]
         if not self.guard.overran:
-            return self.guard.get(keys, [op.regions for op in batch])
+            return self.guard.get(keys, regions)
         # The backend has overrun a deadline before: a call we stop waiting for
         # could still write later, into KV blocks vLLM may have reused. Read into
         # a private buffer and copy only what arrived in time; a buffer a stuck
@@ -339,10 +370,10 @@ class TransferEngine:
             self._graveyard.append(buf)
         elif not self.guard.stuck_calls:
             self._graveyard.clear()
-        for op, s, (src,) in zip(batch, statuses, bounce, strict=True):
+        for dst, s, (src,) in zip(regions, statuses, bounce, strict=True):
             if s is Status.OK:
                 off = src.addr
-                for r in op.regions:
+                for r in dst:
                     ctypes.memmove(r.addr, off, r.length)
                     off += r.length
         return statuses
@@ -356,14 +387,19 @@ class TransferEngine:
             keep = [op for op, s in zip(ops, exists, strict=True) if s is not Status.OK]
             self.metrics.add(save_skipped_existing=len(ops) - len(keep))
             ops = keep
-        for batch in batches(ops, self.max_inflight_bytes):
+        for batch in batches(ops, self._batch_limit()):
             nbytes = sum(op.nbytes for op in batch)
             if not self._budget.acquire(nbytes, self.timeout_s):
                 self.metrics.add(save_failures=len(batch))
                 continue
             t0 = time.perf_counter()
             try:
-                statuses = self.guard.put([op.key for op in batch], [op.regions for op in batch])
+                keys = [op.key for op in batch]
+                if self.stager is None:
+                    statuses = self.guard.put(keys, [op.regions for op in batch])
+                else:
+                    with self._stage_locks["save"]:
+                        statuses = self.guard.put(keys, self.stager.stage_out(batch))
             finally:
                 self._budget.release(nbytes)
             dt = time.perf_counter() - t0

@@ -133,6 +133,7 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
+    PyObject *weakreflist;
     hdr_t *h;
     uint8_t *base;
     size_t map_size;
@@ -244,72 +245,78 @@ static void ck_stripes_scalar(ck_t *c, const uint8_t *p, size_t n) {
 
 #if defined(__x86_64__)
 #include <immintrin.h>
-__attribute__((target("avx2"))) static void ck_stripes_avx2(ck_t *c, const uint8_t *p, size_t n) {
+#define CK_AVX2_STEP(P, DST, KI)                                                                      \
+    do {                                                                                          \
+        __m256i d0 = _mm256_loadu_si256((const __m256i *)(P));                                    \
+        __m256i d1 = _mm256_loadu_si256((const __m256i *)((P) + 32));                             \
+        if (DST) {                                                                                \
+            _mm256_storeu_si256((__m256i *)(DST), d0);                                            \
+            _mm256_storeu_si256((__m256i *)((DST) + 32), d1);                                     \
+        }                                                                                         \
+        __m256i x0 = _mm256_xor_si256(d0, _mm256_load_si256((const __m256i *)&ck_keys[KI][0]));   \
+        __m256i x1 = _mm256_xor_si256(d1, _mm256_load_si256((const __m256i *)&ck_keys[KI][4]));   \
+        __m256i m0 = _mm256_mul_epu32(x0, _mm256_srli_epi64(x0, 32));                             \
+        __m256i m1 = _mm256_mul_epu32(x1, _mm256_srli_epi64(x1, 32));                             \
+        a0 = _mm256_add_epi64(a0, _mm256_add_epi64(m0, _mm256_shuffle_epi32(d0, _MM_SHUFFLE(1, 0, 3, 2)))); \
+        a1 = _mm256_add_epi64(a1, _mm256_add_epi64(m1, _mm256_shuffle_epi32(d1, _MM_SHUFFLE(1, 0, 3, 2)))); \
+    } while (0)
+
+#define CK_AVX2_SCRAMBLE()                                                                         \
+    do {                                                                                          \
+        a0 = _mm256_xor_si256(_mm256_xor_si256(a0, _mm256_srli_epi64(a0, 47)), scr0);             \
+        a1 = _mm256_xor_si256(_mm256_xor_si256(a1, _mm256_srli_epi64(a1, 47)), scr1);             \
+        /* 64-bit multiply by a 32-bit constant: lo*m + (hi*m << 32) */                          \
+        a0 = _mm256_add_epi64(_mm256_mul_epu32(a0, mul),                                          \
+                              _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a0, 32), mul), 32)); \
+        a1 = _mm256_add_epi64(_mm256_mul_epu32(a1, mul),                                          \
+                              _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a1, 32), mul), 32)); \
+    } while (0)
+
+/* n stripes from p (copied to dst when dst is not NULL) into the checksum.
+ * Whole 16-stripe blocks run unrolled with constant key offsets. */
+__attribute__((target("avx2"))) static void ck_avx2(ck_t *c, uint8_t *dst, const uint8_t *p, size_t n) {
     __m256i a0 = _mm256_loadu_si256((const __m256i *)&c->acc[0]);
     __m256i a1 = _mm256_loadu_si256((const __m256i *)&c->acc[4]);
     const __m256i scr0 = _mm256_load_si256((const __m256i *)&ck_scr[0]);
     const __m256i scr1 = _mm256_load_si256((const __m256i *)&ck_scr[4]);
     const __m256i mul = _mm256_set1_epi64x((long long)CK_SCR_MUL);
     uint32_t stripe = c->stripe;
-    for (size_t s = 0; s < n; s++, p += 64) {
-        __m256i d0 = _mm256_loadu_si256((const __m256i *)p);
-        __m256i d1 = _mm256_loadu_si256((const __m256i *)(p + 32));
-        __m256i x0 = _mm256_xor_si256(d0, _mm256_load_si256((const __m256i *)&ck_keys[stripe][0]));
-        __m256i x1 = _mm256_xor_si256(d1, _mm256_load_si256((const __m256i *)&ck_keys[stripe][4]));
-        __m256i m0 = _mm256_mul_epu32(x0, _mm256_srli_epi64(x0, 32));
-        __m256i m1 = _mm256_mul_epu32(x1, _mm256_srli_epi64(x1, 32));
-        a0 = _mm256_add_epi64(a0, _mm256_add_epi64(m0, _mm256_shuffle_epi32(d0, _MM_SHUFFLE(1, 0, 3, 2))));
-        a1 = _mm256_add_epi64(a1, _mm256_add_epi64(m1, _mm256_shuffle_epi32(d1, _MM_SHUFFLE(1, 0, 3, 2))));
+    while (n && stripe) { /* finish a partial block */
+        CK_AVX2_STEP(p, dst, stripe);
+        p += 64;
+        if (dst) dst += 64;
+        n--;
         if (++stripe == CK_BLOCK) {
             stripe = 0;
-            a0 = _mm256_xor_si256(_mm256_xor_si256(a0, _mm256_srli_epi64(a0, 47)), scr0);
-            a1 = _mm256_xor_si256(_mm256_xor_si256(a1, _mm256_srli_epi64(a1, 47)), scr1);
-            /* 64-bit multiply by a 32-bit constant: lo*m + (hi*m << 32) */
-            a0 = _mm256_add_epi64(_mm256_mul_epu32(a0, mul),
-                                  _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a0, 32), mul), 32));
-            a1 = _mm256_add_epi64(_mm256_mul_epu32(a1, mul),
-                                  _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a1, 32), mul), 32));
+            CK_AVX2_SCRAMBLE();
         }
+    }
+    if (dst) {
+        for (; n >= CK_BLOCK; n -= CK_BLOCK, p += 64 * CK_BLOCK, dst += 64 * CK_BLOCK) {
+            for (int k = 0; k < CK_BLOCK; k++) CK_AVX2_STEP(p + 64 * k, dst + 64 * k, k);
+            CK_AVX2_SCRAMBLE();
+        }
+    } else {
+        for (; n >= CK_BLOCK; n -= CK_BLOCK, p += 64 * CK_BLOCK) {
+            for (int k = 0; k < CK_BLOCK; k++) CK_AVX2_STEP(p + 64 * k, (uint8_t *)NULL, k);
+            CK_AVX2_SCRAMBLE();
+        }
+    }
+    for (; n; n--, p += 64) { /* a partial block at the end */
+        CK_AVX2_STEP(p, dst, stripe);
+        if (dst) dst += 64;
+        stripe++;
     }
     _mm256_storeu_si256((__m256i *)&c->acc[0], a0);
     _mm256_storeu_si256((__m256i *)&c->acc[4], a1);
     c->stripe = stripe;
 }
 
+static void ck_stripes_avx2(ck_t *c, const uint8_t *p, size_t n) { ck_avx2(c, NULL, p, n); }
+
 /* Copy n 64-byte stripes from src to dst and checksum them in the same pass:
  * the hash work hides under the memory traffic of the copy. */
-__attribute__((target("avx2"))) static void ck_copy_avx2(ck_t *c, uint8_t *dst, const uint8_t *p, size_t n) {
-    __m256i a0 = _mm256_loadu_si256((const __m256i *)&c->acc[0]);
-    __m256i a1 = _mm256_loadu_si256((const __m256i *)&c->acc[4]);
-    const __m256i scr0 = _mm256_load_si256((const __m256i *)&ck_scr[0]);
-    const __m256i scr1 = _mm256_load_si256((const __m256i *)&ck_scr[4]);
-    const __m256i mul = _mm256_set1_epi64x((long long)CK_SCR_MUL);
-    uint32_t stripe = c->stripe;
-    for (size_t s = 0; s < n; s++, p += 64, dst += 64) {
-        __m256i d0 = _mm256_loadu_si256((const __m256i *)p);
-        __m256i d1 = _mm256_loadu_si256((const __m256i *)(p + 32));
-        _mm256_storeu_si256((__m256i *)dst, d0);
-        _mm256_storeu_si256((__m256i *)(dst + 32), d1);
-        __m256i x0 = _mm256_xor_si256(d0, _mm256_load_si256((const __m256i *)&ck_keys[stripe][0]));
-        __m256i x1 = _mm256_xor_si256(d1, _mm256_load_si256((const __m256i *)&ck_keys[stripe][4]));
-        __m256i m0 = _mm256_mul_epu32(x0, _mm256_srli_epi64(x0, 32));
-        __m256i m1 = _mm256_mul_epu32(x1, _mm256_srli_epi64(x1, 32));
-        a0 = _mm256_add_epi64(a0, _mm256_add_epi64(m0, _mm256_shuffle_epi32(d0, _MM_SHUFFLE(1, 0, 3, 2))));
-        a1 = _mm256_add_epi64(a1, _mm256_add_epi64(m1, _mm256_shuffle_epi32(d1, _MM_SHUFFLE(1, 0, 3, 2))));
-        if (++stripe == CK_BLOCK) {
-            stripe = 0;
-            a0 = _mm256_xor_si256(_mm256_xor_si256(a0, _mm256_srli_epi64(a0, 47)), scr0);
-            a1 = _mm256_xor_si256(_mm256_xor_si256(a1, _mm256_srli_epi64(a1, 47)), scr1);
-            a0 = _mm256_add_epi64(_mm256_mul_epu32(a0, mul),
-                                  _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a0, 32), mul), 32));
-            a1 = _mm256_add_epi64(_mm256_mul_epu32(a1, mul),
-                                  _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a1, 32), mul), 32));
-        }
-    }
-    _mm256_storeu_si256((__m256i *)&c->acc[0], a0);
-    _mm256_storeu_si256((__m256i *)&c->acc[4], a1);
-    c->stripe = stripe;
-}
+static void ck_copy_avx2(ck_t *c, uint8_t *dst, const uint8_t *p, size_t n) { ck_avx2(c, dst, p, n); }
 #endif
 
 static inline void ck_stripes(ck_t *c, const uint8_t *p, size_t n) {
@@ -1954,6 +1961,7 @@ static int Pool_init(Pool *p, PyObject *args, PyObject *kw) {
 }
 
 static void Pool_dealloc(Pool *p) {
+    if (p->weakreflist) PyObject_ClearWeakRefs((PyObject *)p);
     if (p->h && p->pid == getpid() && !atomic_load(&p->closed)) {
         atomic_store(&p->closed, 1);
         Py_BEGIN_ALLOW_THREADS
@@ -2447,6 +2455,7 @@ static PyTypeObject PoolType = {
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Pool_init,
     .tp_dealloc = (destructor)Pool_dealloc,
+    .tp_weaklistoffset = offsetof(Pool, weakreflist),
     .tp_methods = Pool_methods,
     .tp_getset = Pool_getset,
     .tp_doc = "A handle on a shared-memory KV pool (see module docs).",

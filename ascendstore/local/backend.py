@@ -6,7 +6,9 @@ C core does each batch in one call (lock, index, LRU, copies without the GIL).
 
 from __future__ import annotations
 
+import atexit
 import os
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -24,6 +26,16 @@ from ascendstore.local import _shmpool
 from ascendstore.local.options import LocalOptions
 
 _shmpool.set_status_table(tuple(Status))
+
+#: pools still open in this process, closed at interpreter exit so the last user
+#: of a pool removes its shared memory even when nobody called close().
+_OPEN: weakref.WeakSet[_shmpool.Pool] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_pools() -> None:
+    for pool in list(_OPEN):
+        pool.close(False)
 
 
 class LocalHooks:
@@ -115,6 +127,7 @@ class LocalBackend(Backend):
             )
         except (OSError, ValueError) as exc:
             raise BackendSetupError(f"local backend (pool {options.name!r}): {exc}") from exc
+        _OPEN.add(pool)
         return cls(pool, options, ctx)
 
     @property

@@ -31,7 +31,7 @@ class LocalOptions(BackendOptions):
     )
     checksum: Bool = Field(
         False,
-        description="checksum objects on put, verify on get (mismatch -> CORRUPT); costs ~5-20% throughput",
+        description="checksum objects on put, verify on get (mismatch -> CORRUPT); costs ~10-25% put/get throughput",
     )
     disk_path: str | None = Field(
         None, description="directory of the disk tier (spill on eviction); None: off"

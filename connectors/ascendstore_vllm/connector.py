@@ -33,6 +33,11 @@ log = logging.getLogger(__name__)
 
 
 class AscendStoreConnector(KVConnectorBase_V1):
+    #: After a failed load, a request's next lookup stops below the first failed
+    #: chunk (scheduler ``_bad_from``), so kv_load_failure_policy "recompute" with
+    #: load_async cannot loop; ascendstore_vllm.pd reads this.
+    bounded_load_retry = True
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
         self.ctx = ConnectorContext.from_vllm(vllm_config, kv_cache_config)

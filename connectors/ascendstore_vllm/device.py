@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ascendstore.contract import Region
+
 
 class _NoEvent:
     def synchronize(self) -> None:
@@ -37,46 +39,98 @@ class DeviceSync:
             self._mod.synchronize(self.device)
 
 
+def _pinned(nbytes: int) -> torch.Tensor:
+    try:  # pins for the current accelerator (cuda, npu, ...) when there is one
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
 class HostStaging:
-    """Pinned host copies of the KV views, for backends that cannot read device memory.
+    """Bounded pinned host buffers between device KV and a backend that cannot
+    read device memory (an ``ascendstore.engine.Stager``).
 
-    Blocks are copied device->host before a put and host->device after a get,
-    in one batched index copy per layer on a side stream."""
+    One buffer per direction of ``capacity`` bytes; the engine cuts batches to
+    fit. Device regions are byte ranges of vLLM's KV allocation (all layers are
+    views into one buffer), copied with the device's own side stream."""
 
-    def __init__(self, kv_caches: dict[str, torch.Tensor], budget_bytes: int) -> None:
-        self.device_views = kv_caches
+    def __init__(self, kv_caches: dict[str, torch.Tensor], capacity: int) -> None:
         first = next(iter(kv_caches.values()))
         self.device = first.device
         self._mod = torch.get_device_module(self.device)
-        self.stream = self._mod.Stream(self.device)
-        pin = torch.cuda.is_available() or self.device.type != "cuda"
-        self.host_views: dict[str, torch.Tensor] = {
-            name: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=pin)
-            for name, t in kv_caches.items()
-        }
-        self.budget_bytes = budget_bytes
+        self.stream = self._mod.Stream(self.device) if self.device.type != "cpu" else None
+        # Flat byte views of every distinct backing allocation: addr -> (base, flat).
+        self._storages: list[tuple[int, int, torch.Tensor]] = []
+        seen = set()
+        for t in kv_caches.values():
+            st = t.untyped_storage()
+            if st.data_ptr() in seen:
+                continue
+            seen.add(st.data_ptr())
+            flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(st)
+            self._storages.append((st.data_ptr(), st.nbytes(), flat))
+        self.capacity = capacity
+        self.save_buf = _pinned(capacity)
+        self.load_buf = _pinned(capacity)
 
-    def _layers(self, layer: int | None) -> list[str]:
-        names = list(self.device_views)
-        return names if layer is None else [names[layer]]
+    def host_regions(self) -> list[Region]:
+        return [Region(b.data_ptr(), b.numel()) for b in (self.save_buf, self.load_buf)]
 
-    def to_host(self, block_ids: Sequence[int], layer: int | None = None) -> None:
-        if not block_ids:
-            return
-        idx = torch.tensor(sorted(set(block_ids)), dtype=torch.long)
-        idx_dev = idx.to(self.device)
-        with self._mod.stream(self.stream):
-            for name in self._layers(layer):
-                self.host_views[name][idx] = self.device_views[name][idx_dev].to("cpu", non_blocking=False)
-        self.stream.synchronize()
+    def _device_slice(self, r: Region) -> torch.Tensor | None:
+        for base, size, flat in self._storages:
+            if base <= r.addr and r.addr + r.length <= base + size:
+                return flat[r.addr - base : r.addr - base + r.length]
+        return None  # e.g. the host scratch block: nothing to copy
 
-    def to_device(self, block_ids: Sequence[int], layer: int | None = None) -> None:
-        if not block_ids:
-            return
-        idx = torch.tensor(sorted(set(block_ids)), dtype=torch.long)
-        idx_dev = idx.to(self.device)
-        with self._mod.stream(self.stream):
-            for name in self._layers(layer):
-                src = self.host_views[name][idx].to(self.device, non_blocking=True)
-                self.device_views[name].index_copy_(0, idx_dev, src)
-        self.stream.synchronize()
+    def _host_layout(self, buf: torch.Tensor, ops: Sequence) -> list[list[Region]]:
+        out, pos = [], 0
+        for op in ops:
+            out.append([Region(buf.data_ptr() + pos, op.nbytes)])
+            pos += op.nbytes
+        if pos > buf.numel():
+            # One object larger than the buffer (the engine cuts batches to capacity,
+            # never below one object): grow rather than fail the transfer.
+            grown = _pinned(pos)
+            if buf is self.save_buf:
+                self.save_buf = grown
+            else:
+                self.load_buf = grown
+            return self._host_layout(grown, ops)
+        return out
+
+    def _copies(self, ops: Sequence, buf: torch.Tensor, to_host: bool, ok: Sequence[bool] | None = None) -> None:
+        ctx = self._mod.stream(self.stream) if self.stream is not None else _null()
+        with ctx:
+            pos = 0
+            for i, op in enumerate(ops):
+                for r in op.regions:
+                    dev = self._device_slice(r)
+                    if dev is not None and (ok is None or ok[i]):
+                        host = buf[pos : pos + r.length]
+                        if to_host:
+                            host.copy_(dev, non_blocking=True)
+                        else:
+                            dev.copy_(host, non_blocking=True)
+                    pos += r.length
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def stage_out(self, ops: Sequence) -> list[list[Region]]:
+        regions = self._host_layout(self.save_buf, ops)
+        self._copies(ops, self.save_buf, to_host=True)
+        return regions
+
+    def stage_in(self, ops: Sequence) -> list[list[Region]]:
+        return self._host_layout(self.load_buf, ops)
+
+    def commit_in(self, ops: Sequence, ok: Sequence[bool]) -> None:
+        if any(ok):
+            self._copies(ops, self.load_buf, to_host=False, ok=ok)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

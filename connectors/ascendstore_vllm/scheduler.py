@@ -221,6 +221,11 @@ class AscendStoreScheduler:
     def _plan_save(self, meta: AscendStoreMetadata, tr: _Tracker, tokens_done: int) -> None:
         req = tr.request
         limit = tokens_done if self.ctx.config.save_decode_cache else min(tokens_done, req.num_prompt_tokens)
+        # Fast path (every decode step of every running request): no new chunk yet.
+        full_blocks = min(len(req.block_hashes), limit // self.ctx.block_size)
+        new_blocks = full_blocks - tr.next_save_block
+        if new_blocks <= 0 or (new_blocks < self.ctx.blocks_per_chunk and self.ctx.config.discard_partial_chunks):
+            return
         bounds = self._bounds(req, limit)
         chunks = [
             ChunkRef(i, block_hash_hex(req.block_hashes[b1 - 1]), tr.block_ids[b0:b1])

@@ -29,8 +29,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_new = object.__new__
+_set = object.__setattr__
+
+
+def _region(addr: int, length: int) -> Region:
+    # Region is a frozen slots dataclass; its validating __init__ costs ~1us, a
+    # visible share of a transfer's host time. Values here come from vLLM's
+    # tensors and are non-negative by construction.
+    r = _new(Region)
+    _set(r, "addr", addr)
+    _set(r, "length", length)
+    return r
+
 
 class AscendStoreWorker:
+    #: stage through host buffers even for CPU KV (tests exercise the device path with it).
+    force_staging = False
+
     def __init__(self, ctx: ConnectorContext) -> None:
         self.ctx = ctx
         cfg = ctx.config
@@ -63,6 +79,7 @@ class AscendStoreWorker:
         self.staging: HostStaging | None = None
         self.sync: DeviceSync | None = None
         self._scratch: torch.Tensor | None = None
+        self._geom: tuple[tuple[int, int, tuple[tuple[int, int], ...], int], ...] = ()
         self._meta: AscendStoreMetadata | None = None
         self._async_loads: set[str] = set()
         self._recv_done: set[str] = set()
@@ -81,24 +98,25 @@ class AscendStoreWorker:
         device = tensors[0].device
         caps = self.guard.capabilities
         self.sync = DeviceSync(device)
-        if device.type != "cpu" and not caps.device_memory:
-            # The backend cannot read device memory: go through pinned host buffers.
-            self.staging = HostStaging(kv_caches, self.ctx.config.max_inflight_bytes or (256 << 20))
-            views = self.staging.host_views
-        else:
-            views = kv_caches
+        if (device.type != "cpu" or self.force_staging) and not caps.device_memory:
+            # The backend cannot read device memory: go through pinned host buffers, in batches.
+            self.staging = HostStaging(kv_caches, self.ctx.config.staging_buffer_bytes)
+            self.engine.stager = self.staging
+        views = kv_caches
         self.layout = KVLayout(
             [
                 LayerSpan.from_view(name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size())
                 for name, t in views.items()
             ]
         )
+        self._geom = tuple((lay.base, lay.block_stride, lay.runs, lay.num_blocks) for lay in self.layout.layers)
         # Room for one block of any layer: the landing spot for chunk blocks the
         # device already holds (a chunk object is read whole).
         span = max(off + n for lay in self.layout.layers for off, n in lay.runs)
         self._scratch = torch.empty(span, dtype=torch.uint8)
         if caps.needs_registration or caps.zero_copy:
-            st = self.guard.register(self.layout.registration_regions())
+            regions = self.staging.host_regions() if self.staging else self.layout.registration_regions()
+            st = self.guard.register(regions)
             if st is not Status.OK:
                 log.warning("backend register() returned %s; transfers may fail and be recomputed", st.name)
         log.info(
@@ -109,19 +127,27 @@ class AscendStoreWorker:
 
     # -- plan -> ops -------------------------------------------------------------------
     def _regions(self, block_ids: list[int], layer: int | None) -> list[Region]:
+        """Regions of a chunk object: every layer (or one), each block in order.
+
+        On the hot path of every transfer: plain loops over precomputed
+        geometry (base, block stride, runs) instead of per-block helpers."""
         assert self.layout is not None and self._scratch is not None
-        regions: list[Region] = []
-        layers = range(self.layout.num_layers) if layer is None else (layer,)
+        geom = self._geom if layer is None else (self._geom[layer],)
         scratch = self._scratch.data_ptr()
-        for lay in layers:
-            span = self.layout.layers[lay]
+        out: list[Region] = []
+        append = out.append
+        for base, stride, runs, nblocks in geom:
             for b in block_ids:
                 if b < 0:
                     # A block the device already holds: read into scratch, never into vLLM's cache.
-                    regions.extend(Region(scratch + off, n) for off, n in span.runs)
+                    start = scratch
+                elif b < nblocks:
+                    start = base + b * stride
                 else:
-                    regions.extend(span.block_regions(b))
-        return regions
+                    raise IndexError(f"block {b} outside the KV cache ({nblocks} blocks)")
+                for off, n in runs:
+                    append(_region(start + off, n))
+        return out
 
     def _ops(self, spec: LoadSpec | SaveSpec, layer: int | None, writer_only: bool = False) -> list[ChunkOp]:
         ops = []
@@ -165,15 +191,7 @@ class AscendStoreWorker:
             self._collect(res)
 
     def _after_load(self, spec: LoadSpec) -> Callable | None:
-        if self.staging is None:
-            return None
-        staging = self.staging
-
-        def copy_in(ops: list[ChunkOp], statuses: list[Status]) -> None:
-            staging.to_device([b for op, s in zip(ops, statuses, strict=True) if s is Status.OK for b in op.block_ids],
-                              ops[0].layer if ops else None)
-
-        return copy_in
+        return None  # extension point (e.g. per-request load callbacks)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.layout is None or not self.ctx.config.use_layerwise:
@@ -215,16 +233,7 @@ class AscendStoreWorker:
         if self.sync is None or self.sync.is_cpu:
             return None
         event = self.sync.record()
-        staging = self.staging
-        saves = self._meta.saves if self._meta else []
-        blocks = [b for s in saves for c in s.chunks for b in c.block_ids if b >= 0]
-
-        def ready() -> None:
-            event.synchronize()
-            if staging is not None:
-                staging.to_host(blocks, layer)
-
-        return ready
+        return event.synchronize
 
     def _collect(self, res) -> None:
         for req_id, failed in res.loaded.items():

@@ -93,7 +93,6 @@ class Result:
     computed_positions: list[int] = field(default_factory=list)
     #: this engine's KV of the whole prompt, read right after the prompt was complete
     prompt_kv: bytes = b""
-    error: str | None = None
 
 
 class Node:

@@ -56,6 +56,8 @@ class Cluster:
             "D": build_pd_config("decode", instance=2, **common),
             "Dflags": build_pd_config("decode", instance=3, consumer_is_to_load=True, consumer_is_to_put=True,
                                       **common),
+            "Ddecode": build_pd_config("decode", instance=4, consumer_is_to_put=True, save_decode_cache=True,
+                                       **common),
         }
 
     def node(self, name: str) -> Node:
@@ -168,9 +170,24 @@ def test_consumer_flags_open_the_pool_to_decode(cluster: Cluster) -> None:
     # consumer_is_to_put: what it computes becomes a pool hit for prefill nodes.
     fresh = [int(x) for x in np.random.default_rng(13).integers(3, 990, 2 * BLOCK_SIZE + 5)]
     cluster.run("Dflags", "r6", fresh, 2)
+    assert_drained(cluster.node("Dflags"))  # its saves are done
     p2 = cluster.run("P2", "r6-p", fresh, 1)
     assert p2.computed_positions == list(range(2 * BLOCK_SIZE, len(fresh)))
     assert p2.prompt_kv == expected_kv(fresh)
+
+
+@pytest.mark.parametrize("node,saved_chunks", [("Dflags", 2), ("Ddecode", 3)])
+def test_save_decode_cache_adds_the_chunks_filled_while_decoding(cluster: Cluster, node: str,
+                                                                 saved_chunks: int) -> None:
+    # 2 full chunks of prompt + 20 tokens; 16 generated tokens complete the 3rd chunk while decoding.
+    prompt = [int(x) for x in np.random.default_rng(len(node)).integers(3, 990, 2 * BLOCK_SIZE + 20)]
+    out = cluster.run(node, f"r8-{node}", prompt, 16)
+    assert len(out.tokens) == 16
+    assert_drained(cluster.node(node))
+    seq = prompt + out.tokens  # what a next turn would send
+    p2 = cluster.run("P2", f"r8-p-{node}", seq, 1)
+    assert p2.computed_positions == list(range(saved_chunks * BLOCK_SIZE, len(seq)))
+    assert p2.prompt_kv == expected_kv(seq)
 
 
 def test_broken_setups_stop_the_engine_at_start_up(cluster: Cluster) -> None:

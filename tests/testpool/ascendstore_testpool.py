@@ -139,7 +139,7 @@ class DirPoolBackend(Backend):
                 out.append(Status.NOT_FOUND)
         return out
 
-    def list_keys(self, prefix: str = "", limit: int = 1000):  # noqa: ANN201
+    def list_keys(self, prefix: str = "", limit: int = 1000):
         n = 0
         for name in sorted(os.listdir(self.root)):
             if name.startswith(prefix) and not name.startswith(".tmp-"):

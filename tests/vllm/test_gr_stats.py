@@ -35,3 +35,35 @@ def test_stats_reduce_and_prometheus():
 def test_prefixed_counters_inside_a_shared_stats_dict():
     shared = {"save_failures": 4, **prefixed({"save_failures": 1, "dram_hits": 2})}
     assert gr_part(shared) == {"save_failures": 1, "dram_hits": 2}
+
+
+def test_main_connector_reports_gr_counters_when_enabled():
+    from ascendstore_vllm.connector import AscendStoreConnector
+    from ascendstore_vllm.gr.stats import prefixed
+    from ascendstore_vllm.stats import AscendStoreStats
+    from ascendstore_vllm.testing.harness import build_vllm_config
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    reg = CollectorRegistry()
+
+    def bind(cls):
+        class Bound(cls):
+            def __init__(self, *a, **kw):
+                super().__init__(*a, registry=reg, **kw)
+        return Bound
+
+    types = {Counter: bind(Counter), Gauge: bind(Gauge), Histogram: bind(Histogram)}
+    data = {"save_failures": 4, **prefixed({"save_failures": 1, "dram_hits": 2, "dram_misses": 2})}
+    on = build_vllm_config(EngineSpec(extra_config={"gr": {"enabled": True}}))
+    prom = AscendStoreConnector.build_prom_metrics(on, types, ["engine"], {0: ["0"]})
+    prom.observe(data, 0)
+    assert reg.get_sample_value("vllm:ascendstore_gr_dram_hits_total", {"engine": "0"}) == 2
+    assert reg.get_sample_value("vllm:ascendstore_gr_save_failures_total", {"engine": "0"}) == 1
+    assert reg.get_sample_value("vllm:ascendstore_save_failures_total", {"engine": "0"}) == 4
+    reduced = AscendStoreStats(data=data).reduce()
+    assert reduced["gr_dram_hits"] == 2 and reduced["gr_hit_rate"] == 0.5
+    reg2 = CollectorRegistry()
+    reg = reg2
+    off = build_vllm_config(EngineSpec())
+    AscendStoreConnector.build_prom_metrics(off, types, ["engine"], {0: ["0"]})
+    assert not [m for m in reg2.collect() if "gr_" in m.name]

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ascendstore_vllm.testing import EngineHarness, EngineSpec, prompt_bytes, run_in_subprocess
 from conftest import pool_config
 from scenarios import serve
-
-from ascendstore_vllm.testing import EngineHarness, EngineSpec, prompt_bytes, run_in_subprocess
 
 BS = 16
 PREFIX = [(7 * i + 3) % 997 for i in range(5 * BS + 5)]  # 85 tokens: 5 full blocks + 5
@@ -27,7 +26,9 @@ MODES = {
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_then_b_across_processes_byte_exact(pool, mode):
     extra = pool(**MODES[mode])
-    a = EngineHarness(EngineSpec(extra_config=extra))
+    # No failures expected here: any failed load fails the request loudly.
+    spec = {"extra_config": extra, "kv_load_failure_policy": "fail"}
+    a = EngineHarness(EngineSpec(**spec))
     try:  # A stays up while B runs: two engines on one node sharing the pool
         a.add_request("a", PROMPT_A)
         a.run()
@@ -37,7 +38,7 @@ def test_a_then_b_across_processes_byte_exact(pool, mode):
         assert a.read_errors() == []
         # 6 full blocks (chunk_size = block_size) -> 6 chunks; layerwise: one object per layer.
         assert a.stats_total()["save_ops"] == 6 * (2 if mode == "layerwise" else 1)
-        b = run_in_subprocess(serve, {"extra_config": extra}, [("b", PROMPT_B)], timeout_s=180)
+        b = run_in_subprocess(serve, spec, [("b", PROMPT_B)], timeout_s=180)
     finally:
         a.close()
     rb = b["reqs"]["b"]

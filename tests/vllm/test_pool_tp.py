@@ -6,10 +6,9 @@ from __future__ import annotations
 import os
 
 import torch
+from ascendstore_vllm.testing import EngineHarness, EngineSpec, run_in_subprocess
 from conftest import pool_config
 from scenarios import serve
-
-from ascendstore_vllm.testing import EngineHarness, EngineSpec, run_in_subprocess
 
 BS = 16
 PROMPT = [(9 * i + 4) % 953 for i in range(8 * BS + 3)]  # 8 full blocks

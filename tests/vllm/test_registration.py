@@ -5,10 +5,9 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 
 import pytest
-from scenarios import registration_when_vllm_ascend_registers_first
-
 from ascendstore_vllm import plugin
 from ascendstore_vllm.testing import load_plugins, run_in_subprocess
+from scenarios import registration_when_vllm_ascend_registers_first
 
 OURS = "ascendstore_vllm.connector"
 

@@ -6,6 +6,7 @@ imported when the command runs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -182,13 +183,29 @@ def bench(
         console.print(sweep_table(reports))
         if plot is not None:
             console.print(f"wrote {write_sweep_plot(reports, plot)}", highlight=False)
+    sim = []
+    if workload == "gr" and any(g == "user" for g in grans):
+        # The user-granular pool as modeled by the GR simulation, for the same workload shape.
+        from ascendstore.bench.spec import gr_simulation
+        from ascendstore.gr.sim import format_table
+
+        sim = gr_simulation(params, block_size, [c or 1.0 for c in caps], ["user", "block"])
+        console.print("[bold]pool-only simulation (ascendstore.gr.sim; LRU pools, no device cache)[/]")
+        console.print(format_table(sim), highlight=False)
     if json_path is not None:
-        if len(reports) == 1:
+        if len(reports) == 1 and not sim:
             reports[0].to_json(json_path)
         else:
             json_path.parent.mkdir(parents=True, exist_ok=True)
             json_path.write_text(
-                json.dumps({"sweep": [r.model_dump(mode="json") for r in reports]}, indent=2) + "\n"
+                json.dumps(
+                    {
+                        "sweep": [r.model_dump(mode="json") for r in reports],
+                        "simulation": [dataclasses.asdict(x) for x in sim],
+                    },
+                    indent=2,
+                )
+                + "\n"
             )
         console.print(f"wrote {json_path}", highlight=False)
     if any(r.kv_mismatches for r in reports):

@@ -99,3 +99,16 @@ class GRPromMetrics(KVConnectorPromMetrics):
             counter = self._counters.get(name)
             if counter is not None and value:
                 counter[engine_idx].inc(value)
+
+
+def gr_prom_metrics_if_enabled(vllm_config: Any, metric_types: Any, labelnames: list[str],
+                               per_engine_labelvalues: dict[int, list[object]]) -> GRPromMetrics | None:
+    """GR's Prometheus counters for a connector whose config has ``gr.enabled`` (else None)."""
+    from ascendstore.config import load_config
+
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    try:
+        enabled = load_config(dict(getattr(ktc, "kv_connector_extra_config", None) or {})).gr.enabled
+    except Exception:  # the connector itself reports config errors
+        enabled = False
+    return GRPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues) if enabled else None

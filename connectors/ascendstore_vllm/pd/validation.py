@@ -15,7 +15,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ascendstore.pd import is_pd_composition, raise_if_problems, validate_pd_config
+from ascendstore.pd import is_pd_composition, is_pool_child, raise_if_problems, validate_pd_config
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig, VllmConfig
@@ -52,14 +52,39 @@ def check_vllm_config(vllm_config: VllmConfig) -> None:
     data = ktc_to_dict(ktc)
     if not is_pd_composition(data):
         return
+    pool_cls = _pool_class(data)
+    if pool_cls is not None and not pool_cls.__module__.startswith("ascendstore_vllm"):
+        # The plain name resolved to another implementation (vllm-ascend's, see
+        # ascendstore_vllm.plugin): its keys and behaviour are not ours to judge.
+        return
     pc = vllm_config.parallel_config
     problems = validate_pd_config(
         data,
         tp_size=pc.tensor_parallel_size,
         pp_size=pc.pipeline_parallel_size,
         num_layers=_num_layers(vllm_config),
+        bounded_load_retry=bool(getattr(pool_cls, "bounded_load_retry", False)),
     )
     raise_if_problems(problems)
+
+
+def _pool_class(data: dict[str, Any]) -> type | None:
+    """The class vLLM will instantiate for the pool connector (None when absent)."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    candidates = [data] if is_pool_child(data) else [
+        c for c in data.get("kv_connector_extra_config", {}).get("connectors", []) if is_pool_child(c)
+    ]
+    if not candidates:
+        return None
+    child = candidates[0]
+    try:
+        ktc = KVTransferConfig(kv_connector=child.get("kv_connector"), kv_role=child.get("kv_role") or data["kv_role"],
+                               kv_connector_module_path=child.get("kv_connector_module_path"))
+        return KVConnectorFactory.get_connector_class(ktc)
+    except Exception:  # a bad child: validate_pd_config names the problem
+        return None
 
 
 def install_validation() -> None:

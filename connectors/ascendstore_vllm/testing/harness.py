@@ -81,7 +81,7 @@ def load_plugins() -> None:
     load_general_plugins()
 
 
-def build_vllm_config(spec: EngineSpec):  # noqa: ANN201 - VllmConfig
+def build_vllm_config(spec: EngineSpec):
     load_plugins()
     from vllm.config import (
         CacheConfig,

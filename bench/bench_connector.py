@@ -1,0 +1,171 @@
+"""Connector-path throughput and scheduler overhead, against baselines in the same run.
+
+1. put/get GB/s through the connector's worker (AscendStoreWorker: plan -> chunk
+   regions from vLLM's KV views -> guarded transfer threads) divided by the raw
+   backend client's GB/s moving the same objects between the same regions.
+   Goal: >= 0.9.
+2. The connector's scheduler-side time per step divided by vLLM's schedule()
+   time, with 256 running requests (real Scheduler; connector calls timed by
+   wrapping them). Goal: <= 0.10.
+
+    .venv/bin/python bench/bench_connector.py [--backend local] [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import uuid
+from typing import Any
+
+import typer
+from ascendstore_vllm.metadata import AscendStoreMetadata, ChunkRef, LoadSpec, SaveSpec
+from ascendstore_vllm.testing import EngineHarness, EngineSpec
+from rich.console import Console
+from rich.table import Table
+
+from ascendstore.contract import BackendContext, Status
+from ascendstore.registry import create_backend
+
+app = typer.Typer(add_completion=False)
+
+
+def _backend_config(backend: str, capacity_mib: int) -> dict[str, Any]:
+    if backend == "local":
+        return {"backend": "local", "backend_config": {"name": "bench-" + uuid.uuid4().hex[:8],
+                                                       "capacity": f"{capacity_mib}MiB", "page_size": "64KiB"}}
+    return {"backend": backend}
+
+
+def transfer_ratio(backend: str, num_chunks: int, repeats: int) -> dict[str, float]:
+    # 8 layers x (8 KV heads x 16 tokens x (128+128) fp16) = 512 KiB per chunk object.
+    spec = EngineSpec(extra_config=_backend_config(backend, num_chunks * 3 // 2 + 64),
+                      num_layers=8, num_heads=8, num_kv_heads=8, head_size=128,
+                      num_blocks=num_chunks + 8, max_model_len=1024)
+    eng = EngineHarness(spec, check_reads=False)
+    try:
+        w = eng.workers[0].connector.worker
+        for t in eng.workers[0].kv_caches.values():
+            t.copy_(torch_rand_like(t))
+        tenant = "-"
+        chunks = [ChunkRef(i, f"{i:064x}", [i + 1]) for i in range(num_chunks)]
+        cfg = spec.extra_config
+        raw = create_backend(cfg["backend"], cfg.get("backend_config"), BackendContext(role="tool"))
+        ops = w._ops(SaveSpec("bench", tenant, chunks), None)
+        nbytes = sum(op.nbytes for op in ops)
+        keys = [op.key for op in ops]
+        regions = [op.regions for op in ops]
+
+        def clear() -> None:
+            raw.remove(keys, 30.0)
+
+        res: dict[str, list[float]] = {"conn_put": [], "raw_put": [], "conn_get": [], "raw_get": []}
+        for _ in range(repeats):
+            clear()
+            t0 = time.perf_counter()
+            st = raw.put(keys, regions, 30.0)
+            res["raw_put"].append(time.perf_counter() - t0)
+            assert all(s is Status.OK for s in st), st[:3]
+            t0 = time.perf_counter()
+            st = raw.get(keys, regions, 30.0)
+            res["raw_get"].append(time.perf_counter() - t0)
+            assert all(s is Status.OK for s in st)
+            clear()
+            t0 = time.perf_counter()
+            w.bind(AscendStoreMetadata(saves=[SaveSpec("bench", tenant, chunks)]))
+            w.wait_for_save()
+            assert w.engine.wait("save", ["bench"], 60)
+            res["conn_put"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            w.bind(AscendStoreMetadata(loads=[LoadSpec("bench", tenant, chunks)]))
+            w.start_load_kv(None)
+            res["conn_get"].append(time.perf_counter() - t0)
+            assert not w.take_load_errors()
+        clear()
+        raw.close()
+        # Best of the repeats (the first is a warm-up for both sides): this
+        # machine is shared, and the best run is the least disturbed one.
+        gbps = {k: nbytes / min(v[1:] or v) / 1e9 for k, v in res.items()}
+        return {**gbps, "put_ratio": gbps["conn_put"] / gbps["raw_put"],
+                "get_ratio": gbps["conn_get"] / gbps["raw_get"], "object_bytes": nbytes / num_chunks,
+                "objects": num_chunks}
+    finally:
+        eng.close()
+
+
+def torch_rand_like(t):
+    import torch
+
+    return torch.randn(t.shape, dtype=torch.float32).to(t.dtype)
+
+
+def scheduler_ratio(backend: str, num_requests: int, steps: int) -> dict[str, float]:
+    spec = EngineSpec(extra_config=_backend_config(backend, 256), num_blocks=num_requests * 9 + 16,
+                      max_num_seqs=num_requests, max_num_batched_tokens=num_requests * 128 + 256,
+                      max_model_len=512, num_layers=1, num_heads=1, num_kv_heads=1, head_size=8)
+    eng = EngineHarness(spec, check_reads=False)
+    try:
+        conn = eng.connector
+        spent = [0.0]
+        for name in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                     "request_finished", "update_connector_output", "take_events", "get_kv_connector_stats"):
+            fn = getattr(conn, name)
+
+            def timed(*a, _fn=fn, **k):
+                t0 = time.perf_counter()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    spent[0] += time.perf_counter() - t0
+
+            setattr(conn, name, timed)
+        for i in range(num_requests):
+            eng.add_request(f"r{i}", [(i * 131 + j * 7) % 997 + 3 for j in range(100)], max_tokens=steps + 50)
+        sched = eng.scheduler
+        orig = sched.schedule
+        per_step: list[tuple[float, float]] = []
+
+        def schedule():
+            spent[0] = 0.0
+            t0 = time.perf_counter()
+            out = orig()
+            per_step.append((time.perf_counter() - t0, spent[0]))
+            return out
+
+        sched.schedule = schedule
+        for _ in range(steps):
+            eng.step()
+        running = len(sched.running)
+        steady = per_step[3:]  # after every prompt is in (decode steady state)
+        sched_t = statistics.median(s for s, _ in steady)
+        conn_t = statistics.median(c for _, c in steady)
+        return {"running": running, "schedule_ms": sched_t * 1e3, "connector_ms": conn_t * 1e3,
+                "ratio": conn_t / sched_t, "ratio_vs_rest": conn_t / max(sched_t - conn_t, 1e-9)}
+    finally:
+        eng.close()
+
+
+@app.command()
+def main(backend: str = "local", quick: bool = False, as_json: bool = typer.Option(False, "--json")) -> None:
+    t = transfer_ratio(backend, 64 if quick else 192, 3 if quick else 7)
+    s = scheduler_ratio(backend, 256, 8 if quick else 16)
+    if as_json:
+        print(json.dumps({"transfer": t, "scheduler": s}))
+        return
+    c = Console()
+    tab = Table(title=f"connector path vs raw {backend} client ({t['objects']} x {t['object_bytes'] / 1024:.0f} KiB)")
+    for col in ("op", "connector GB/s", "raw GB/s", "ratio (goal >= 0.9)"):
+        tab.add_column(col)
+    for op in ("put", "get"):
+        tab.add_row(op, f"{t['conn_' + op]:.2f}", f"{t['raw_' + op]:.2f}", f"{t[op + '_ratio']:.2f}")
+    c.print(tab)
+    tab = Table(title=f"scheduler side, {s['running']} running requests")
+    for col in ("schedule() ms", "connector ms", "connector / schedule() (goal <= 0.10)"):
+        tab.add_column(col)
+    tab.add_row(f"{s['schedule_ms']:.3f}", f"{s['connector_ms']:.3f}", f"{s['ratio']:.3f}")
+    c.print(tab)
+
+
+if __name__ == "__main__":
+    app()

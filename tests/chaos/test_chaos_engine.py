@@ -1,0 +1,212 @@
+"""The pool engine (guard, lookup, transfer threads) under injected faults, over
+the real shared-memory ``local`` pool wrapped by ``faulty``. No vLLM here: the
+"device" is a byte buffer of blocks, and "recompute" rewrites a block's known
+content, so every byte a load claims to have delivered is checked."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from chaos_helpers import KiB, MiB, faulty_config, local_config, pool_name, report
+
+from ascendstore.chaos import FaultyBackend
+from ascendstore.contract import BackendContext, Region, Status
+from ascendstore.engine import BackendGuard, ChunkOp, KeyBuilder, PoolLookup, TransferEngine
+from ascendstore.keys import RankPart
+from ascendstore.registry import create_backend
+
+BLOCK = 4 * KiB
+SLACK = 1.5  # seconds of thread hand-off allowed on a loaded 2-core machine
+
+
+class Device:
+    """A fake KV cache: ``n`` blocks; block content is a function of its chunk hash."""
+
+    def __init__(self, n: int) -> None:
+        self.buf = np.zeros(n * BLOCK, dtype=np.uint8)
+        self.n = n
+
+    @staticmethod
+    def content(chunk: int, seed: int = 0) -> np.ndarray:
+        return np.random.default_rng(chunk * 7919 + seed).integers(0, 256, BLOCK, dtype=np.uint8)
+
+    def block(self, b: int) -> np.ndarray:
+        return self.buf[b * BLOCK : (b + 1) * BLOCK]
+
+    def region(self, b: int) -> Region:
+        return Region(self.buf.ctypes.data + b * BLOCK, BLOCK)
+
+    def compute(self, b: int, chunk: int) -> None:
+        self.block(b)[:] = self.content(chunk)
+
+    def wipe(self) -> None:
+        self.buf[:] = 0xEE
+
+
+def open_engine(timeout_s: float = 1.0, **faults):
+    name = pool_name()
+    inner = local_config(name, capacity=faults.pop("capacity", 8 * MiB), checksum=faults.pop("checksum", True))
+    be = create_backend("faulty", faulty_config(inner, **faults), BackendContext(timeout_s=timeout_s))
+    assert isinstance(be, FaultyBackend)
+    guard = BackendGuard(be, timeout_s)
+    return be, guard, TransferEngine(guard)
+
+
+def ops(dev: Device, chunks: list[int], keys: KeyBuilder) -> list[ChunkOp]:
+    # block i of the device holds chunk chunks[i]
+    return [ChunkOp(keys.key("-", f"{c:032x}"), [dev.region(i)], [i], c) for i, c in enumerate(chunks)]
+
+
+KEYS = KeyBuilder("f" * 16, RankPart())
+
+
+def serve(eng: TransferEngine, dev: Device, chunks: list[int]) -> tuple[set[int], int, int]:
+    """Load the chunks; recompute failed blocks; return (failed, wrong bytes served, calls)."""
+    dev.wipe()
+    failed = eng.load_now("r", ops(dev, chunks, KEYS))
+    wrong = sum(
+        int((dev.block(i) != dev.content(c)).sum()) for i, c in enumerate(chunks) if i not in failed
+    )
+    for i in failed:
+        dev.compute(i, chunks[i])
+    return failed, wrong, len(chunks)
+
+
+def save_all(eng: TransferEngine, dev: Device, chunks: list[int], req: str = "w") -> None:
+    for i, c in enumerate(chunks):
+        dev.compute(i, c)
+    assert eng.submit_save(req, ops(dev, chunks, KEYS))
+    assert eng.wait("save", [req], 30)
+
+
+def test_planted_corruption_is_never_served_and_is_repaired():
+    be, guard, eng = open_engine(corrupt_rate=0.5, seed=3)
+    dev = Device(32)
+    chunks = list(range(32))
+    try:
+        save_all(eng, dev, chunks)
+        planted = be.stats()["injected"]["corrupt"]
+        assert 8 < planted < 24
+        failed, wrong, _ = serve(eng, dev, chunks)
+        assert wrong == 0, "a corrupt object was served as a hit"
+        assert len(failed) == planted, "every damaged object must be refused (CORRUPT)"
+        report("engine_corruption", planted=planted, refused=len(failed), corrupt_served=wrong)
+        # vLLM recomputes the failed blocks and saves them again; the damaged
+        # objects must be replaced, else the prefix misses forever.
+        be.set_faults(corrupt_rate=0.0)
+        save_all(eng, dev, chunks, req="w2")
+        failed2, wrong2, _ = serve(eng, dev, chunks)
+        report("engine_corruption_repair", still_failing=len(failed2))
+        assert wrong2 == 0
+        assert failed2 == set(), (
+            f"{len(failed2)} corrupt objects were never replaced: the save path skips keys that "
+            "exist() reports, so a damaged object is never rewritten (should be removed on CORRUPT)"
+        )
+    finally:
+        eng.shutdown()
+        guard.close()
+
+
+@pytest.mark.parametrize("fault", ["delay", "hang"])
+def test_slow_and_hanging_store_never_holds_a_step_past_the_timeout(fault):
+    timeout = 0.2
+    be, guard, eng = open_engine(timeout_s=timeout)
+    dev = Device(8)
+    chunks = list(range(8))
+    lookup = PoolLookup(guard, KEYS, timeout)
+    try:
+        save_all(eng, dev, chunks)
+        be.set_faults(**{f"{fault}_s": {"get": 1.0, "exists": 1.0}})
+        worst = 0.0
+        for _ in range(3):
+            t0 = time.monotonic()
+            hits = lookup.prefix_hits("-", [f"{c:032x}" for c in chunks])
+            failed, wrong, _ = serve(eng, dev, chunks)
+            took = time.monotonic() - t0
+            worst = max(worst, took)
+            assert hits == 0 and failed == set(range(8)) and wrong == 0
+        m = guard.metrics.totals()
+        report(f"engine_{fault}", timeout_s=timeout, worst_step_s=round(worst, 3), timeouts=m["timeouts"],
+               unavailable=m["unavailable"])
+        # two bounded calls per step (lookup + load), each within timeout + guard grace
+        assert worst < 2 * timeout + SLACK
+        be.set_faults(delay_s={}, hang_s={})
+        time.sleep(1.1)  # stuck calls end
+        failed, wrong, _ = serve(eng, dev, chunks)
+        assert failed == set() and wrong == 0, "the pool serves again once the store recovers"
+    finally:
+        eng.shutdown(timeout_s=1)
+        guard.close()
+
+
+def test_full_pool_skips_writes_without_errors_and_stays_bounded():
+    be, guard, eng = open_engine(quota_bytes=16 * BLOCK, capacity=4 * MiB)
+    dev = Device(64)
+    try:
+        for r in range(4):  # 4 requests of 16 new chunks each; room for 16
+            chunks = list(range(r * 16, r * 16 + 16))
+            save_all(eng, dev, chunks, req=f"r{r}")
+        m = guard.metrics.totals()
+        st = be.stats()
+        report("engine_pool_full", saved=m["save_ops"], no_space=m["save_no_space"],
+               save_failures=m["save_failures"], used_bytes=st["inner"]["used_bytes"])
+        assert m["save_ops"] == 16 and m["save_no_space"] == 48
+        assert m["save_failures"] == 0, "a full pool is not a failure"
+        assert st["quota_used_bytes"] <= 16 * BLOCK
+        failed, wrong, _ = serve(eng, dev, list(range(16)))
+        assert failed == set() and wrong == 0, "what fitted is served"
+    finally:
+        eng.shutdown()
+        guard.close()
+
+
+def test_real_full_local_pool_evicts_and_serves_only_exact_bytes():
+    """The local pool itself at capacity (LRU eviction, no quota stand-in)."""
+    be, guard, eng = open_engine(capacity=256 * KiB)  # room for ~64 blocks
+    dev = Device(64)
+    try:
+        for r in range(6):
+            save_all(eng, dev, list(range(r * 64, r * 64 + 64)), req=f"r{r}")
+        st = be.stats()["inner"]
+        failed, wrong, n = serve(eng, dev, list(range(5 * 64, 6 * 64)))
+        m = guard.metrics.totals()
+        report("engine_local_full", capacity=st["capacity_bytes"], used=st["used_bytes"],
+               save_failures=m["save_failures"], no_space=m["save_no_space"], hits=n - len(failed))
+        assert st["used_bytes"] <= st["capacity_bytes"]
+        assert wrong == 0 and m["save_failures"] == 0
+        assert n - len(failed) > 0, "the newest request is served from the pool"
+    finally:
+        eng.shutdown()
+        guard.close()
+
+
+def test_random_fault_mix_never_serves_wrong_bytes_and_always_finishes():
+    """Every kind of fault at once, at random: loads are exact or reported failed."""
+    be, guard, eng = open_engine(
+        timeout_s=0.3, seed=11,
+        fail_rate={"get": 0.15, "put": 0.15, "exists": 0.1},
+        raise_rate={"get": 0.05, "put": 0.05},
+        corrupt_rate=0.1, flip_rate=0.0,
+    )
+    dev = Device(16)
+    rng = np.random.default_rng(5)
+    totals = {"requests": 0, "loaded": 0, "failed": 0, "wrong": 0}
+    t_end = time.monotonic() + 8
+    try:
+        while time.monotonic() < t_end:
+            base = int(rng.integers(0, 24))
+            chunks = [base + i for i in range(16)]
+            failed, wrong, n = serve(eng, dev, chunks)
+            totals["requests"] += 1
+            totals["loaded"] += n - len(failed)
+            totals["failed"] += len(failed)
+            totals["wrong"] += wrong
+            save_all(eng, dev, chunks, req=f"s{totals['requests']}")
+        report("engine_fault_mix", injected=be.stats()["injected"], **totals)
+        assert totals["wrong"] == 0
+        assert totals["loaded"] > 0 and totals["failed"] > 0
+    finally:
+        eng.shutdown()
+        guard.close()

@@ -1,0 +1,83 @@
+"""Other shapes of the data path: device KV through bounded host staging
+(exercised with CPU tensors standing in for device memory), chunks of several
+blocks that the device prefix cache partly holds, a block-outermost KV layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ascendstore_vllm.testing import EngineHarness, EngineSpec
+from ascendstore_vllm.worker import AscendStoreWorker
+from conftest import pool_config
+
+PROMPT = [(17 * i + 3) % 929 for i in range(130)]
+
+
+def exact(eng: EngineHarness, req_id: str, prompt: list[int], rank: int = 0) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(eng.prompt_kv(req_id, rank), eng.expected_prompt_kv(prompt, rank),
+                                                 strict=True))
+
+
+@pytest.mark.parametrize("mode", [{}, {"use_layerwise": True}], ids=["chunk", "layerwise"])
+def test_staged_transfers_in_bounded_batches(pool_root, monkeypatch, mode):
+    monkeypatch.setattr(AscendStoreWorker, "force_staging", True)
+    # 2 layers x 4 KiB per chunk object: a 10 KiB buffer holds 2 objects per batch.
+    cfg = pool_config(pool_root, staging_buffer_bytes="10KiB", **mode)
+    a = EngineHarness(EngineSpec(extra_config=cfg))
+    b = EngineHarness(EngineSpec(extra_config=cfg))
+    try:
+        w = a.workers[0].connector.worker
+        assert w.staging is not None and w.engine.stager is w.staging and w.staging.capacity == 10 * 1024
+        a.add_request("a", PROMPT)
+        a.run()
+        assert exact(a, "a", PROMPT)
+        b.add_request("b", PROMPT[:112] + [4, 5, 6])
+        b.run()
+        assert b.first_schedule("b") == (112, 3)
+        assert exact(b, "b", PROMPT[:112] + [4, 5, 6])
+        assert b.read_errors() == []
+    finally:
+        a.close()
+        b.close()
+
+
+def test_multi_block_chunks_partly_on_device(pool_root):
+    """chunk_size = 2 blocks; the device already holds the first block of a pooled
+    chunk: the chunk is read whole, that block into scratch, never into vLLM's cache."""
+    cfg = pool_config(pool_root, chunk_size=32)
+    a = EngineHarness(EngineSpec(extra_config=cfg))
+    b = EngineHarness(EngineSpec(extra_config=cfg))
+    try:
+        a.add_request("a", PROMPT)  # 8 full blocks -> 4 chunks saved
+        a.run()
+        assert a.stats_total()["save_ops"] == 4
+        b.add_request("warm", PROMPT[:20])  # B's device cache: 1 full block of the prefix
+        b.run()
+        b.add_request("b", PROMPT[:128] + [7, 7, 7])
+        b.run()
+        assert b.first_schedule("b") == (128, 3)  # 16 from the device, 112 from the pool
+        assert b.stats_total()["load_ops"] == 4
+        assert exact(b, "b", PROMPT[:128] + [7, 7, 7]) and exact(b, "warm", PROMPT[:20])
+        assert b.read_errors() == []
+    finally:
+        a.close()
+        b.close()
+
+
+def test_block_outermost_layout(pool_root):
+    """BLNHC: every block holds all layers side by side; regions follow the strides."""
+    cfg = pool_config(pool_root)
+    a = EngineHarness(EngineSpec(extra_config=cfg, kv_cache_layout="BLNHC"))
+    b = EngineHarness(EngineSpec(extra_config=cfg, kv_cache_layout="BLNHC"))
+    try:
+        t = next(iter(a.workers[0].kv_caches.values()))
+        assert not t.is_contiguous()
+        a.add_request("a", PROMPT)
+        a.run()
+        b.add_request("b", PROMPT[:96] + [1])
+        b.run()
+        assert b.first_schedule("b") == (96, 1)
+        assert exact(b, "b", PROMPT[:96] + [1])
+    finally:
+        a.close()
+        b.close()
