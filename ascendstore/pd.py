@@ -16,12 +16,11 @@ from __future__ import annotations
 import errno
 import socket
 from collections.abc import Mapping
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 from ascendstore.config import AscendStoreConfig, load_config
 from ascendstore.errors import ConfigError
 
-Role = Literal["prefill", "decode", "mixed"]
 ROLES: dict[str, str] = {"prefill": "kv_producer", "decode": "kv_consumer", "mixed": "kv_both"}
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 FAILURE_POLICIES = ("recompute", "fail")

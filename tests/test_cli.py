@@ -291,5 +291,13 @@ def test_report_command(tmp_path):
         "lookup_cdf.png",
         "tiers.png",
     ]
+    # A sweep file (what `bench --pool-capacity a,b --json` writes) is read too.
+    other = rep.model_copy(update={"pool_capacity_fraction": 0.5, "granularity": "user"})
+    sweep = {"sweep": [rep.model_dump(mode="json"), other.model_dump(mode="json")], "simulation": []}
+    (tmp_path / "s.json").write_text(json.dumps(sweep))
+    res = run("report", str(tmp_path / "s.json"), "--plot", str(tmp_path / "sp"))
+    assert res.exit_code == 0, res.output
+    assert "pool granularity x capacity" in res.output and (tmp_path / "sp" / "granularity_sweep.png").is_file()
+    assert (tmp_path / "sp" / "user-0.5" / "tiers.png").is_file()
     (tmp_path / "bad.json").write_text("{}")
     assert run("report", str(tmp_path / "bad.json")).exit_code == 2

@@ -188,3 +188,20 @@ def test_hung_backend_never_blocks_a_load_and_late_writes_are_bounced():
     assert eng.load_now("r", ops_for(second, 1, 16)) == set() and second[0] == 7
     eng.shutdown(timeout_s=1)
     assert threading.active_count() < 50
+
+
+def test_layer_saves_share_one_exists_per_step():
+    from ascendstore.engine import SharedExists
+
+    be = MemBackend()
+    be.data["k1"] = bytes(16)
+    eng = TransferEngine(BackendGuard(be, 1.0))
+    src = torch.arange(64, dtype=torch.uint8)
+    ops = ops_for(src, 4, 16)
+    shared = SharedExists([op.key for op in ops])
+    eng.submit_save("r", ops[:2], layer=0, shared_exists=shared)
+    eng.submit_save("r", ops[2:], layer=1, shared_exists=shared)
+    assert eng.wait("save", ["r"], 5)
+    assert [c[0] for c in be.calls] == ["exists", "put", "put"]
+    assert be.calls[1][1] == ["k0"] and be.calls[2][1] == ["k2", "k3"]
+    eng.shutdown()

@@ -313,3 +313,14 @@ def test_history_larger_than_backend_objects_keeps_leading_blocks(tmp_path, monk
     lw = make_store(backend, layerwise=True, model="lw.1")  # one object per layer: 3x the blocks fit
     assert lw.save_kv("u1", hist, dev.regions(range(10))) is Status.OK
     assert lw.lookup("u1", hist).hit_tokens == 10 * BS
+
+
+def test_byte_counters(backend):
+    s = make_store(backend)
+    dev = FakeDevice()
+    hist = history(16)
+    s.save_kv("u1", hist, dev.regions(range(4)))
+    rec = s.lookup("u1", hist).records[0]
+    s.load_kv("u1", rec.generation, 4, FakeDevice(seed=2).regions_or_none([None, 1, 2, None]))
+    assert s.stats.bytes_saved == 4 * LAYERS * BLOCK_BYTES
+    assert s.stats.bytes_loaded == 2 * LAYERS * BLOCK_BYTES

@@ -208,18 +208,27 @@ def report(
     path: Annotated[Path, typer.Argument(help="a JSON report written by `ascendstore bench --json`")],
     plot: Annotated[Path | None, typer.Option("--plot", help="write PNG plots into this folder")] = None,
 ) -> None:
-    """Print (and plot) a saved benchmark report."""
-    from ascendstore.bench.display import print_report, write_plots
+    """Print (and plot) a saved benchmark report (or a --pool-capacity/--granularity sweep)."""
+    from ascendstore.bench.display import print_report, sweep_table, write_plots, write_sweep_plot
     from ascendstore.bench.report import BenchReport
 
     try:
-        rep = BenchReport.from_json(path)
+        data = json.loads(path.read_text())
+        items = data["sweep"] if isinstance(data, dict) and "sweep" in data else [data]
+        reps = [BenchReport.model_validate(x) for x in items]
     except Exception as exc:
         raise fail(f"cannot read report {str(path)!r}: {exc}", EXIT_USAGE) from None
-    print_report(rep, console)
+    for rep in reps:
+        print_report(rep, console)
+    if len(reps) > 1:
+        console.print(sweep_table(reps))
     if plot is not None:
-        for p in write_plots(rep, plot):
-            console.print(f"wrote {p}", highlight=False)
+        for rep in reps:
+            sub = plot if len(reps) == 1 else plot / f"{rep.granularity}-{rep.pool_capacity_fraction or 'all'}"
+            for p in write_plots(rep, sub):
+                console.print(f"wrote {p}", highlight=False)
+        if len(reps) > 1:
+            console.print(f"wrote {write_sweep_plot(reps, plot)}", highlight=False)
 
 
 # `ascendstore config pd` (implementation in ascendstore/pd_cli.py).

@@ -93,6 +93,11 @@ def extra_config_from(kv_transfer_config: str | None) -> dict[str, Any]:
     data = _json_arg(kv_transfer_config, "--kv-transfer-config")
     if not isinstance(data, dict):
         raise ConfigError(f"--kv-transfer-config must be a JSON object, not {type(data).__name__}")
+    if data.get("kv_connector") == "MultiConnector":
+        # PD split: the pool connector is one of the children (ascendstore config pd).
+        from ascendstore.pd import pool_extra_config
+
+        return pool_extra_config(data)
     if "kv_connector" in data or "kv_role" in data or "kv_connector_extra_config" in data:
         extra = data.get("kv_connector_extra_config") or {}
         if not isinstance(extra, dict):

@@ -47,6 +47,23 @@ class Stager(Protocol):
         """Copy the loaded ops (ok[i]) from the load buffer to their device regions."""
 
 
+class SharedExists:
+    """One batched exists for keys saved by several tasks (layerwise: every
+    layer's objects of a step), asked by the first task that needs it."""
+
+    def __init__(self, keys: Sequence[str]) -> None:
+        self.keys = list(keys)
+        self._present: set[str] | None = None
+        self._lock = threading.Lock()
+
+    def present(self, guard: BackendGuard) -> set[str]:
+        with self._lock:
+            if self._present is None:
+                statuses = guard.exists(self.keys)
+                self._present = {k for k, s in zip(self.keys, statuses, strict=True) if s is Status.OK}
+            return self._present
+
+
 @dataclass
 class TransferResult:
     """Loads finished since the last take: request -> block ids that failed."""
@@ -64,6 +81,7 @@ class _Task:
     before: Hook | None = None  # e.g. wait for the device to finish writing KV
     after: Callable[[list[ChunkOp], list[Status]], None] | None = None
     skip_existing: bool = True
+    shared_exists: SharedExists | None = None
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
     failed: set[int] = field(default_factory=set)
@@ -195,9 +213,11 @@ class TransferEngine:
         layer: int | None = None,
         before: Hook | None = None,
         skip_existing: bool = True,
+        shared_exists: SharedExists | None = None,
     ) -> bool:
         """Queue a save; False if the queue was full (the save is dropped, a future miss)."""
-        task = _Task("save", req_id, list(ops), layer=layer, before=before, skip_existing=skip_existing)
+        task = _Task("save", req_id, list(ops), layer=layer, before=before, skip_existing=skip_existing,
+                     shared_exists=shared_exists)
         return self._enqueue(task, drop_if_full=True)
 
     # -- bookkeeping ------------------------------------------------------------------
@@ -383,8 +403,12 @@ class TransferEngine:
             task.before()
         ops = task.ops
         if task.skip_existing and ops:
-            exists = self.guard.exists([op.key for op in ops])
-            keep = [op for op, s in zip(ops, exists, strict=True) if s is not Status.OK]
+            if task.shared_exists is not None:
+                present = task.shared_exists.present(self.guard)
+                keep = [op for op in ops if op.key not in present]
+            else:
+                exists = self.guard.exists([op.key for op in ops])
+                keep = [op for op, s in zip(ops, exists, strict=True) if s is not Status.OK]
             self.metrics.add(save_skipped_existing=len(ops) - len(keep))
             ops = keep
         for batch in batches(ops, self._batch_limit()):

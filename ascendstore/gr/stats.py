@@ -25,6 +25,8 @@ class GRStats:
     hit_tokens_device: int = 0
     hit_tokens_pool: int = 0
     saves: int = 0  # user histories written to the pool
+    bytes_saved: int = 0  # KV bytes written (this rank's objects)
+    bytes_loaded: int = 0  # KV bytes read into the device (this rank; skipped blocks excluded)
     save_failures: int = 0
     invalidations: int = 0  # stored histories cut back because a request rewrote them
     expired: int = 0  # users dropped for TTL

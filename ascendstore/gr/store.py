@@ -361,7 +361,7 @@ class UserStore:
         if st is not Status.OK:
             self.stats.add(save_failures=1)
             return st
-        self.stats.add(saves=1)
+        self.stats.add(saves=1, bytes_saved=rec.kv_bytes)
         self.index.touch(uid, tenant, rec.kv_bytes * self.world_size, rec.written_at)
         return Status.OK
 
@@ -415,6 +415,8 @@ class UserStore:
         expect = [(h, layer if self.layerwise else None) for h, layer in zip(headers, wanted_layers, strict=False)]
         if not all(check_kv_header(h, generation, kv_blocks, layer) for h, layer in expect):
             return Status.CORRUPT  # another save replaced the object under us
+        self.stats.add(bytes_loaded=sum(
+            r.length for layer in wanted_layers for b in layer_blocks[layer] if b is not None for r in _runs(b)))
         return Status.OK
 
     def _scratch_region(self, nbytes: int) -> Region:

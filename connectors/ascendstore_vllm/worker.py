@@ -16,6 +16,7 @@ from ascendstore.engine import (
     KVLayout,
     LayerSpan,
     PoolLookup,
+    SharedExists,
     TransferEngine,
 )
 from ascendstore.registry import create_backend
@@ -85,7 +86,7 @@ class AscendStoreWorker:
         self._recv_done: set[str] = set()
         self._load_errors: set[int] = set()
         self._delayed: set[str] = set()
-        self._layer_saves: list[tuple[SaveSpec, list[int]]] = []
+        self._step_exists: tuple[AscendStoreMetadata, SharedExists] | None = None
         self._server: LookupServer | None = None
         if ctx.tp_rank == 0 and ctx.pp_rank == 0 and cfg.lookup_mode in ("auto", "rpc"):
             self._server = LookupServer(
@@ -208,10 +209,16 @@ class AscendStoreWorker:
         if i is None:
             return
         before = self._ready_hook(i)
+        if self._step_exists is None or self._step_exists[0] is not self._meta:
+            # One batched exists per step for every layer's objects (asked on the saver thread).
+            keys = [self.keys.key(s.tenant, c.chunk_hash, lay) for s in self._meta.saves for c in s.chunks
+                    if self.ctx.replicas.writes(c.index) for lay in range(self.layout.num_layers)]
+            self._step_exists = (self._meta, SharedExists(keys))
+        shared = self._step_exists[1]
         for spec in self._meta.saves:
             ops = self._ops(spec, i, writer_only=True)
             if ops:
-                self.engine.submit_save(spec.req_id, ops, layer=i, before=before)
+                self.engine.submit_save(spec.req_id, ops, layer=i, before=before, shared_exists=shared)
 
     def wait_for_save(self) -> None:
         meta = self._meta
@@ -256,6 +263,7 @@ class AscendStoreWorker:
 
     def clear(self) -> None:
         self._meta = None
+        self._step_exists = None
 
     def shutdown(self) -> None:
         if self._server is not None:

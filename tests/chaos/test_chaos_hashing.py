@@ -69,11 +69,17 @@ def test_pool_keys_are_identical_across_processes_without_pythonhashseed():
     assert seeded["sha256/None"] != a["sha256/None"]
 
 
+_CFG: list = []
+
+
 def _context(algo: str):
+    """The connector's start-up derivation (both roles run it) for a hash algorithm."""
     from ascendstore_vllm.context import ConnectorContext
     from ascendstore_vllm.testing import EngineSpec, build_vllm_config
 
-    cfg = build_vllm_config(EngineSpec(extra_config={"backend": "local"}))
+    if not _CFG:  # one VllmConfig for the module: building one takes seconds here
+        _CFG.append(build_vllm_config(EngineSpec(extra_config={"backend": "local"})))
+    cfg = _CFG[0]
     cfg.cache_config.prefix_caching_hash_algo = algo
     return ConnectorContext.from_vllm(cfg, None)
 

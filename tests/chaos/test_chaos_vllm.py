@@ -23,7 +23,7 @@ from ascendstore.chaos import live_backends, shm_entries, snapshot  # noqa: E402
 from ascendstore.chaos.hygiene import wait_for_threads  # noqa: E402
 from ascendstore_vllm.testing import EngineHarness, EngineSpec, run_in_subprocess  # noqa: E402
 
-SLACK = 2.0  # seconds: thread hand-off and vLLM's own step work on a loaded 2-core machine
+SLACK = 1.0  # seconds: thread hand-off and vLLM's own step work on a loaded 2-core machine
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ def figures(eng: EngineHarness, times: list[float], tag: str = "r") -> dict:
 @pytest.mark.parametrize("kind", ["hang", "delay"])
 @pytest.mark.parametrize("mode", [{}, {"use_layerwise": True}], ids=["sync", "layerwise"])
 def test_slow_or_hanging_store_bounds_every_step_and_recomputes(engines, kind, mode):
-    ps = prompts(4, seed=1)
+    ps = prompts(6, seed=1)
     eng = engines(faulty_extra(pool_name(), timeout_ms=300, lookup_timeout_ms=200, **mode))
     fill_then_reset(eng, ps)
     # exists answers (a hit is planned); get and put are slow or hung
@@ -86,14 +86,17 @@ def test_slow_or_hanging_store_bounds_every_step_and_recomputes(engines, kind, m
     times = serve_again(eng, ps)
     f = figures(eng, times) | {"wall_s": round(time.monotonic() - t0, 2), "kind": kind, "mode": mode}
     report("vllm_slow_store", **f)
+    faults(hang_s={}, delay_s={})
+    # (The fake model's per-layer read check fires in the step whose loads failed;
+    # vLLM discards that step's output and recomputes, so only the final KV counts.)
     assert all(exact(eng, f"r{i}", p) for i, p in enumerate(ps)), "recomputed KV must equal the model's"
-    assert eng.read_errors() == []
     assert f["hit_tokens"] > 0 and f["recomputed_blocks"] > 0, "loads were planned and failed"
     layers = 2 if mode else 1
-    # A step issues at most one bounded load call per layer (the lookup runs
-    # before the step, bounded by lookup_timeout_ms).
-    assert f["worst_step_s"] < layers * 0.3 + SLACK, f
-    faults(hang_s={}, delay_s={})
+    # The step's loads are bounded by the configured timeout (per layer when
+    # layerwise), whatever the number of requests loading in that step.
+    assert f["worst_step_s"] < layers * 0.3 + SLACK, (
+        f"a step waited {f['worst_step_s']} s with timeout_ms=300: each request's load is bounded, "
+        "the step's loads together are not", f)
 
 
 def test_hanging_lookup_is_a_miss_and_nothing_waits(engines):
@@ -118,7 +121,7 @@ def test_planted_corruption_is_never_served(engines):
     times = serve_again(eng, ps)
     f = figures(eng, times) | {"planted_corrupt_objects": planted}
     served_wrong = [i for i, p in enumerate(ps) if not exact(eng, f"r{i}", p)]
-    f["corrupt_loads_served"] = len(served_wrong) + len(eng.read_errors())
+    f["corrupt_loads_served"] = len(served_wrong)
     report("vllm_planted_corruption", **f)
     assert planted > 0
     assert f["corrupt_loads_served"] == 0, "a damaged object reached vLLM's KV cache"
@@ -202,10 +205,15 @@ def test_gr_users_of_different_tenants_never_share_kv(engines):
     assert eng.scheduler.reset_prefix_cache()
     eng.add_request("globex", hist + cand, cache_salt="globex", extra_args=fields)
     run_timed(eng)
+    assert eng.scheduler.reset_prefix_cache()
+    eng.add_request("acme-2", hist + cand[::-1], cache_salt="acme", extra_args=fields)
+    run_timed(eng)
     before = eng.first_schedule("globex")[0]
-    report("vllm_gr_tenants", globex_computed_before=before)
+    same = eng.first_schedule("acme-2")[0]
+    report("vllm_gr_tenants", globex_computed_before=before, acme_again_computed_before=same)
     assert before == 0, "tenant globex was served tenant acme's user 42"
-    assert exact(eng, "globex", hist + cand)
+    assert same == len(hist), "the same tenant's user is served from the pool"
+    assert exact(eng, "globex", hist + cand) and exact(eng, "acme-2", hist + cand[::-1])
 
 
 def test_two_instances_on_one_host_do_not_clash(engines):

@@ -180,7 +180,7 @@ def test_consumer_flags_open_the_pool_to_decode(cluster: Cluster) -> None:
 def test_save_decode_cache_adds_the_chunks_filled_while_decoding(cluster: Cluster, node: str,
                                                                  saved_chunks: int) -> None:
     # 2 full chunks of prompt + 20 tokens; 16 generated tokens complete the 3rd chunk while decoding.
-    prompt = [int(x) for x in np.random.default_rng(len(node)).integers(3, 990, 2 * BLOCK_SIZE + 20)]
+    prompt = [int(x) for x in np.random.default_rng(100 + len(node)).integers(3, 990, 2 * BLOCK_SIZE + 20)]
     out = cluster.run(node, f"r8-{node}", prompt, 16)
     assert len(out.tokens) == 16
     assert_drained(cluster.node(node))

@@ -76,3 +76,22 @@ def test_stats_and_prometheus(pool_root):
                                          {"model_name": "m", "engine": "0"}) == 3
     finally:
         eng.close()
+
+
+def test_kv_events_for_saved_chunks(pool_root):
+    from vllm.distributed.kv_events import BlockStored
+
+    eng = EngineHarness(EngineSpec(extra_config=pool_config(pool_root)))
+    try:
+        # vLLM's scheduler takes connector events every step (for its publisher): record them.
+        events: list = []
+        take = eng.connector.take_events
+        eng.connector.take_events = lambda: (events.extend(e := list(take())) or e)
+        eng.add_request("a", PROMPT)
+        eng.run()
+        assert events and all(isinstance(e, BlockStored) and e.medium == "ascendstore" for e in events)
+        req_hashes = [h for e in events for h in e.block_hashes]
+        assert len(req_hashes) == 6 and sum(len(e.token_ids) for e in events) == 6 * 16
+        assert list(take()) == []
+    finally:
+        eng.close()

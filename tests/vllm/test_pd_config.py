@@ -254,6 +254,17 @@ def test_cli_prints_a_config_vllm_accepts() -> None:
     assert children(cfg)[0]["kv_connector_extra_config"] == {"mooncake_protocol": "tcp"}
 
 
+def test_other_commands_read_the_pool_config_inside_a_pd_split_config() -> None:
+    from ascendstore.cli import get_app
+
+    runner = CliRunner()
+    cfg = json.dumps(build_pd_config("decode", consumer_is_to_put=True, extra={"timeout_ms": 1234}))
+    r = runner.invoke(get_app(), ["config", "show", "--json", "--kv-transfer-config", cfg])
+    assert r.exit_code == 0, r.output
+    shown = json.loads(r.stdout)
+    assert shown["consumer_is_to_put"] is True and shown["timeout_ms"] == 1234
+
+
 def test_cli_check_reports_mistakes(tmp_path) -> None:
     from ascendstore.cli import get_app
 

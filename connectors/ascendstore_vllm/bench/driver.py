@@ -95,7 +95,7 @@ def _wrap(obj: Any, name: str, timers: _Timers, on_call: Callable[..., None] | N
             dt = time.perf_counter() - t0
             timers.connector_s += dt
             if on_call is not None:
-                on_call(dt, *args)
+                on_call(dt, *args, **kwargs)
 
     setattr(obj, name, timed)
 
@@ -104,11 +104,11 @@ def _instrument(engine: Any, timers: _Timers) -> None:
     conn = engine.connector
     for name in SCHEDULER_CALLS:
         if name == "get_num_new_matched_tokens":
-            _wrap(conn, name, timers, lambda dt, *a: timers.lookup_us.append(dt * 1e6))
+            _wrap(conn, name, timers, lambda dt, *a, **kw: timers.lookup_us.append(dt * 1e6))
         elif name == "update_state_after_alloc":
 
-            def note(dt: float, request: Any, blocks: Any, num_external: int, *rest: Any) -> None:
-                timers.external.setdefault(request.request_id, int(num_external))
+            def note(dt: float, request: Any, blocks: Any = None, num_external_tokens: int = 0) -> None:
+                timers.external.setdefault(request.request_id, int(num_external_tokens))
 
             _wrap(conn, name, timers, note)
         else:
