@@ -25,10 +25,10 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "chaos"))
-from chaos_scenarios import BS, exact, faulty_extra, run_timed  # noqa: E402
+from chaos_scenarios import BS, exact, faulty_extra, run_timed
 
-from ascendstore.chaos import shm_entries, snapshot  # noqa: E402
-from ascendstore.engine import EngineMetrics  # noqa: E402
+from ascendstore.chaos import shm_entries, snapshot
+from ascendstore.engine import EngineMetrics
 
 app = typer.Typer(add_completion=False)
 MiB = 1 << 20

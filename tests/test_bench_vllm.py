@@ -100,8 +100,13 @@ def test_bigger_pool_saves_more_and_both_granularities_run():
     small, big = reps[("block", 0.1)], reps[("block", 1.0)]
     assert small.pool_capacity_bytes < big.pool_capacity_bytes
     assert big.hit_tokens.pool > small.hit_tokens.pool
-    assert reps[("user", 1.0)].config["gr"]["enabled"] is True
-    assert reps[("block", 1.0)].config["gr"]["enabled"] is False
+    user, block = reps[("user", 1.0)], reps[("block", 1.0)]
+    assert user.config["gr"]["enabled"] is True and block.config["gr"]["enabled"] is False
+    # The user-granular path really ran (the GR store's counters), found histories in
+    # the pool, and never pooled the one-off candidates: fewer bytes saved than block mode.
+    assert user.connector_stats.get("gr_saves", 0) > 0 and user.connector_stats.get("gr_dram_hits", 0) > 0
+    assert not any("no GR activity" in n for n in user.notes)
+    assert user.hit_tokens.pool > 0 and user.bytes_saved < block.bytes_saved
 
 
 def test_verifier_catches_wrong_kv_from_the_pool():

@@ -161,7 +161,11 @@ def build_report(
     backend_stats: dict[str, float] | None = None,
     notes: list[str] | None = None,
     max_samples: int = 20000,
+    load_rate_bytes: int | None = None,
+    save_rate_bytes: int | None = None,
 ) -> BenchReport:
+    """``load_rate_bytes``/``save_rate_bytes``: the bytes that ``load_wall_s``/``save_wall_s``
+    timed, when only part of the traffic was timed (default: all of it)."""
     prompt = sum(r.prompt_tokens for r in records)
     device = sum(r.device_hit for r in records)
     pool = sum(r.pool_hit for r in records)
@@ -193,8 +197,8 @@ def build_report(
         lookup_latency_us=percentiles(lookup_latency_us),
         bytes_loaded=bytes_loaded,
         bytes_saved=bytes_saved,
-        load_gbps=_ratio(bytes_loaded, load_wall_s) / 1e9,
-        save_gbps=_ratio(bytes_saved, save_wall_s) / 1e9,
+        load_gbps=_ratio(bytes_loaded if load_rate_bytes is None else load_rate_bytes, load_wall_s) / 1e9,
+        save_gbps=_ratio(bytes_saved if save_rate_bytes is None else save_rate_bytes, save_wall_s) / 1e9,
         kv_bytes_verified=kv_bytes_verified,
         kv_mismatches=kv_mismatches,
         connector_s=connector_s,

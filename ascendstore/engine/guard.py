@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
 from ascendstore.contract import Backend, Health, Region, Status
@@ -24,6 +26,16 @@ log = logging.getLogger(__name__)
 
 #: extra wait on top of the backend's own timeout before the guard gives up.
 GRACE_S = 0.05
+
+
+@dataclass
+class PendingCall:
+    op: str
+    n: int
+    fut: Future | None
+    timeout: float
+    ready: list[Status] | None
+    deadline: float = 0.0
 
 
 class BackendGuard:
@@ -62,23 +74,32 @@ class BackendGuard:
             self._stuck -= 1
 
     def _call(self, op: str, n: int, args: tuple[Any, ...], timeout_s: float | None) -> list[Status]:
-        if n == 0:
-            return []
+        return self.result(self._submit(op, n, args, timeout_s))
+
+    def _submit(self, op: str, n: int, args: tuple[Any, ...], timeout_s: float | None) -> PendingCall:
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        if n == 0:
+            return PendingCall(op, 0, None, timeout, [])
         with self._lock:
             if self._closed or self._stuck >= self._max_stuck:
                 self.metrics.add(unavailable=n)
-                return [Status.UNAVAILABLE] * n
-        fn = getattr(self.backend, op)
-        fut = self._pool.submit(fn, *args, timeout)
+                return PendingCall(op, n, None, timeout, [Status.UNAVAILABLE] * n)
+        fut = self._pool.submit(getattr(self.backend, op), *args, timeout)
+        return PendingCall(op, n, fut, timeout, None, time.monotonic() + timeout + GRACE_S)
+
+    def result(self, call: PendingCall) -> list[Status]:
+        """Statuses of a submitted call, waiting at most until its deadline."""
+        if call.fut is None:
+            return call.ready or []
+        op, n, fut = call.op, call.n, call.fut
         try:
-            result = fut.result(timeout=timeout + GRACE_S)
+            result = fut.result(timeout=max(0.0, call.deadline - time.monotonic()))
         except FutureTimeout:
             with self._lock:
                 self._stuck += 1
                 self.overran = True
             fut.add_done_callback(self._unstuck)
-            log.warning("backend %s of %d keys overran %.3fs; reporting TIMEOUT", op, n, timeout)
+            log.warning("backend %s of %d keys overran %.3fs; reporting TIMEOUT", op, n, call.timeout)
             self.metrics.add(timeouts=n)
             return [Status.TIMEOUT] * n
         except Exception:
@@ -86,6 +107,13 @@ class BackendGuard:
             self.metrics.add(unavailable=n)
             return [Status.UNAVAILABLE] * n
         return self._check(op, result, n)
+
+    def submit_get(self, keys: Sequence[str], regions: Sequence[Sequence[Region]]) -> PendingCall:
+        """Start a get; collect it with ``result`` (lets the caller prepare the next batch)."""
+        return self._submit("get", len(keys), (list(keys), regions), None)
+
+    def submit_put(self, keys: Sequence[str], regions: Sequence[Sequence[Region]]) -> PendingCall:
+        return self._submit("put", len(keys), (list(keys), regions), None)
 
     def _check(self, op: str, result: Any, n: int) -> list[Status]:
         try:

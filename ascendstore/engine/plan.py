@@ -7,7 +7,7 @@ key names the whole prefix up to and including that chunk.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ascendstore.contract import Region
@@ -83,9 +83,13 @@ def stagger(items: Sequence, index: int, size: int) -> list:
     return list(items[shift:]) + list(items[:shift])
 
 
-@dataclass
+@dataclass(eq=False)
 class ChunkOp:
-    """One object to move: key, regions in order, and the device blocks it fills."""
+    """One object to move: key, regions in order, and the device blocks it fills.
+
+    ``build`` (with ``nbytes``) defers computing the regions until the transfer
+    thread needs them, so building one batch's regions overlaps the previous
+    batch's copy."""
 
     key: str
     regions: list[Region]
@@ -93,7 +97,14 @@ class ChunkOp:
     chunk_index: int = 0
     layer: int | None = None
     nbytes: int = field(default=0)
+    build: Callable[[], list[Region]] | None = None
 
     def __post_init__(self) -> None:
         if not self.nbytes:
             self.nbytes = sum(r.length for r in self.regions)
+
+    def materialize(self) -> list[Region]:
+        if self.build is not None:
+            self.regions = self.build()
+            self.build = None
+        return self.regions

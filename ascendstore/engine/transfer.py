@@ -22,12 +22,15 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ascendstore.contract import Region, Status
-from ascendstore.engine.guard import BackendGuard
+from ascendstore.engine.guard import BackendGuard, PendingCall
 from ascendstore.engine.plan import ChunkOp, stagger
 
 log = logging.getLogger(__name__)
 
 Hook = Callable[[], None]
+
+#: batch size when building regions overlaps the previous batch's copy.
+PIPELINE_BYTES = 16 << 20
 
 
 class Stager(Protocol):
@@ -72,7 +75,7 @@ class TransferResult:
     saved: set[str] = field(default_factory=set)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Task:
     kind: str  # "load" | "save"
     req_id: str
@@ -332,43 +335,68 @@ class TransferEngine:
             self._do_save(task)
         self._finish(task)
 
+    def _pipelined(self) -> bool:
+        # Host staging and the bounce path copy around each call: keep them simple.
+        return self.stager is None and not self.guard.overran
+
+    def _batch_limit(self, pipelined: bool = False) -> int:
+        limits = [x for x in (self.max_inflight_bytes, self.stager.capacity if self.stager else 0,
+                              PIPELINE_BYTES if pipelined else 0) if x]
+        return min(limits) if limits else 0
+
     def _do_load(self, task: _Task) -> None:
         ops = stagger(task.ops, self.stagger_index, self.stagger_size)
         if ops:
             self.load_order.append([op.key for op in ops])
         if self.stagger_delay_s and self.stagger_index:
             time.sleep(self.stagger_delay_s * self.stagger_index)
-        for batch in batches(ops, self._batch_limit()):
+        pipelined = self._pipelined()
+        pending: tuple[list[ChunkOp], int, PendingCall, float] | None = None
+        for batch in batches(ops, self._batch_limit(pipelined)):
+            # Build this batch's regions while the previous batch is being copied.
+            regions = [op.materialize() for op in batch]
+            if pending is not None:
+                self._collect_load(task, *pending)
+                pending = None
             nbytes = sum(op.nbytes for op in batch)
             if not self._budget.acquire(nbytes, self.timeout_s):
-                statuses = [Status.TIMEOUT] * len(batch)
-            else:
-                t0 = time.perf_counter()
-                try:
-                    if self.stager is None:
-                        statuses = self._get(batch, [op.regions for op in batch])
-                    else:
-                        with self._stage_locks["load"]:
-                            statuses = self._get(batch, self.stager.stage_in(batch))
-                            self.stager.commit_in(batch, [st is Status.OK for st in statuses])
-                finally:
-                    self._budget.release(nbytes)
-                dt = time.perf_counter() - t0
-                good = [op for op, s in zip(batch, statuses, strict=True) if s is Status.OK]
-                self.metrics.add(
-                    load_ops=len(good), load_bytes=sum(op.nbytes for op in good), load_time_s=dt
-                )
-            bad = [op for op, s in zip(batch, statuses, strict=True) if s is not Status.OK]
-            if bad:
-                self.metrics.add(load_failures=len(bad))
-                for op in bad:
-                    task.failed.update(op.block_ids)
-            if task.after is not None:
-                task.after(batch, statuses)
+                self._load_done(task, batch, [Status.TIMEOUT] * len(batch), 0.0)
+                continue
+            t0 = time.perf_counter()
+            if pipelined:
+                pending = (batch, nbytes, self.guard.submit_get([op.key for op in batch], regions), t0)
+                continue
+            try:
+                if self.stager is None:
+                    statuses = self._get(batch, regions)
+                else:
+                    with self._stage_locks["load"]:
+                        statuses = self._get(batch, self.stager.stage_in(batch))
+                        self.stager.commit_in(batch, [st is Status.OK for st in statuses])
+            finally:
+                self._budget.release(nbytes)
+            self._load_done(task, batch, statuses, time.perf_counter() - t0)
+        if pending is not None:
+            self._collect_load(task, *pending)
 
-    def _batch_limit(self) -> int:
-        limits = [x for x in (self.max_inflight_bytes, self.stager.capacity if self.stager else 0) if x]
-        return min(limits) if limits else 0
+    def _collect_load(self, task: _Task, batch: list[ChunkOp], nbytes: int, call: PendingCall, t0: float) -> None:
+        try:
+            statuses = self.guard.result(call)
+        finally:
+            self._budget.release(nbytes)
+        self._load_done(task, batch, statuses, time.perf_counter() - t0)
+
+    def _load_done(self, task: _Task, batch: list[ChunkOp], statuses: list[Status], dt: float) -> None:
+        good = [op for op, s in zip(batch, statuses, strict=True) if s is Status.OK]
+        if dt:
+            self.metrics.add(load_ops=len(good), load_bytes=sum(op.nbytes for op in good), load_time_s=dt)
+        bad = [op for op, s in zip(batch, statuses, strict=True) if s is not Status.OK]
+        if bad:
+            self.metrics.add(load_failures=len(bad))
+            for op in bad:
+                task.failed.update(op.block_ids)
+        if task.after is not None:
+            task.after(batch, statuses)
 
     def _get(self, batch: list[ChunkOp], regions: list[list[Region]]) -> list[Status]:
         keys = [op.key for op in batch]
@@ -411,31 +439,51 @@ class TransferEngine:
                 keep = [op for op, s in zip(ops, exists, strict=True) if s is not Status.OK]
             self.metrics.add(save_skipped_existing=len(ops) - len(keep))
             ops = keep
-        for batch in batches(ops, self._batch_limit()):
+        pipelined = self._pipelined()
+        pending: tuple[list[ChunkOp], int, PendingCall, float] | None = None
+        for batch in batches(ops, self._batch_limit(pipelined)):
+            regions = [op.materialize() for op in batch]
+            if pending is not None:
+                self._collect_save(*pending)
+                pending = None
             nbytes = sum(op.nbytes for op in batch)
             if not self._budget.acquire(nbytes, self.timeout_s):
                 self.metrics.add(save_failures=len(batch))
                 continue
             t0 = time.perf_counter()
+            keys = [op.key for op in batch]
+            if pipelined:
+                pending = (batch, nbytes, self.guard.submit_put(keys, regions), t0)
+                continue
             try:
-                keys = [op.key for op in batch]
                 if self.stager is None:
-                    statuses = self.guard.put(keys, [op.regions for op in batch])
+                    statuses = self.guard.put(keys, regions)
                 else:
                     with self._stage_locks["save"]:
                         statuses = self.guard.put(keys, self.stager.stage_out(batch))
             finally:
                 self._budget.release(nbytes)
-            dt = time.perf_counter() - t0
-            good = [op for op, s in zip(batch, statuses, strict=True) if s is Status.OK]
-            no_space = sum(s is Status.NO_SPACE for s in statuses)
-            self.metrics.add(
-                save_ops=len(good),
-                save_bytes=sum(op.nbytes for op in good),
-                save_time_s=dt,
-                save_failures=len(batch) - len(good) - no_space,
-                save_no_space=no_space,
-            )
+            self._save_done(batch, statuses, time.perf_counter() - t0)
+        if pending is not None:
+            self._collect_save(*pending)
+
+    def _collect_save(self, batch: list[ChunkOp], nbytes: int, call: PendingCall, t0: float) -> None:
+        try:
+            statuses = self.guard.result(call)
+        finally:
+            self._budget.release(nbytes)
+        self._save_done(batch, statuses, time.perf_counter() - t0)
+
+    def _save_done(self, batch: list[ChunkOp], statuses: list[Status], dt: float) -> None:
+        good = [op for op, s in zip(batch, statuses, strict=True) if s is Status.OK]
+        no_space = sum(s is Status.NO_SPACE for s in statuses)
+        self.metrics.add(
+            save_ops=len(good),
+            save_bytes=sum(op.nbytes for op in good),
+            save_time_s=dt,
+            save_failures=len(batch) - len(good) - no_space,
+            save_no_space=no_space,
+        )
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Finish queued saves (bounded), then stop the threads."""

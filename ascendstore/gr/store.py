@@ -431,6 +431,11 @@ class UserStore:
             if s not in (Status.OK, Status.NOT_FOUND):
                 log.warning("GR remove %s: %s", k, s.name)
 
+    def forget_record(self, uid: str) -> None:
+        """Drop this rank's token record (its KV proved unreadable): lookups miss until
+        the next save."""
+        self._remove([self.token_key(uid, self.worker_id)])
+
     def delete_user(self, uid: str, everywhere: bool = True) -> int:
         """Remove the user's objects: of every model and deployment shape when
         ``everywhere`` (by key prefix, where the backend can), else this store's.

@@ -17,6 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ascendstore_vllm.context import ConnectorContext
+from ascendstore_vllm.gr.stats import prefixed
+from ascendstore_vllm.gr.wiring import PLAN_KEY, attach_gr, plan_of
 from ascendstore_vllm.metadata import AscendStoreMetadata
 from ascendstore_vllm.stats import AscendStorePromMetrics, AscendStoreStats
 
@@ -51,6 +53,9 @@ class AscendStoreConnector(KVConnectorBase_V1):
             from ascendstore_vllm.worker import AscendStoreWorker
 
             self.worker = AscendStoreWorker(self.ctx)
+        # GR mode (gr.enabled): requests carrying a uid are the user store's alone;
+        # every other request uses the chunk pool.
+        self.gr = attach_gr(self.ctx, role == KVConnectorRole.SCHEDULER, kv_cache_config)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -58,17 +63,39 @@ class AscendStoreConnector(KVConnectorBase_V1):
         return False
 
     # -- scheduler side ----------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.gr is not None:
+            self.gr.bind_kv_cache_manager(kv_cache_manager)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
+        if self.gr is not None:
+            res = self.gr.get_num_new_matched_tokens(request, num_computed_tokens)
+            if res is not None:
+                return res
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
+        if self.gr is not None and self.gr.claims(request):
+            self.gr.update_state_after_alloc(request, num_external_tokens)
+            return  # no chunk-pool tracker: the chunk pool neither loads nor saves it
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        return self.scheduler.build_connector_meta(scheduler_output)
+        meta = self.scheduler.build_connector_meta(scheduler_output)
+        if self.gr is not None:
+            meta.extensions[PLAN_KEY] = {"plan": self.gr.build_plan(scheduler_output)}
+        return meta
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        if num_external_tokens == 0 or self.scheduler is None:
+            return {}
+        return {CacheHitSource[self.scheduler.hit_tier()]: num_external_tokens}
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self.scheduler is not None:
@@ -76,7 +103,15 @@ class AscendStoreConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
+        if self.gr is not None:
+            self.gr.request_finished(request)
         return self.scheduler.request_finished(request, block_ids)
+
+    def delete_user(self, uid: str) -> int:
+        """GR: delete a user's KV from the pool and this engine's device."""
+        if self.gr is None:
+            raise RuntimeError("delete_user needs gr.enabled")
+        return self.gr.delete_user(uid)
 
     def take_events(self):
         return self.scheduler.take_events() if self.scheduler is not None else ()
@@ -88,6 +123,8 @@ class AscendStoreConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches)
+        if self.gr is not None:
+            self.gr.register_kv_caches(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -107,6 +144,8 @@ class AscendStoreConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.worker is not None
         self.worker.start_load_kv(forward_context)
+        if self.gr is not None:
+            self.gr.start_load(plan_of(self._connector_metadata))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.worker is not None:
@@ -119,23 +158,32 @@ class AscendStoreConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         if self.worker is not None:
             self.worker.wait_for_save()
+            if self.gr is not None:
+                self.gr.save(plan_of(self._connector_metadata))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
         return self.worker.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.take_load_errors() if self.worker is not None else set()
+        errors = self.worker.take_load_errors() if self.worker is not None else set()
+        if self.gr is not None:
+            errors |= self.gr.take_load_errors()
+        return errors
 
     def get_kv_connector_stats(self) -> AscendStoreStats | None:
         role = self.worker or self.scheduler
         data = role.metrics.take() if role is not None else {}
+        if self.gr is not None:
+            data.update(prefixed(self.gr.take_stats()))
         return AscendStoreStats(data=data) if data else None
 
     def shutdown(self) -> None:
         for role in (self.worker, self.scheduler):
             if role is not None:
                 role.shutdown()
+        if self.gr is not None:
+            self.gr.shutdown()
 
     # -- class-level hooks -------------------------------------------------------------
     @classmethod

@@ -122,7 +122,8 @@ class AscendStoreScheduler:
         start = next((i for i, (_, end) in enumerate(bounds) if end * bs > num_computed_tokens), len(bounds))
         if start >= len(bounds):
             return 0, False
-        hashes = [block_hash_hex(request.block_hashes[end - 1]) for _, end in bounds]
+        # Only chunks beyond the device hit are queried (long prompts: skip the rest).
+        hashes = [""] * start + [block_hash_hex(request.block_hashes[end - 1]) for _, end in bounds[start:]]
         tenant = self.ctx.tenant(request.cache_salt)
         hit = self._prefix_hits(tenant, hashes, start)
         # A chunk that failed to load for this request is not offered again: vLLM
@@ -164,8 +165,8 @@ class AscendStoreScheduler:
         for i, (b0, b1) in enumerate(bounds):
             if b1 * bs <= local:
                 continue
-            if b0 * bs >= end_tok:
-                break
+            if b0 * bs >= end_tok or b1 > len(tr.block_ids):
+                break  # (vLLM allocated no block for the rest: load what has somewhere to land)
             # Blocks already on the device (local hit inside this chunk) land in scratch (-1).
             ids = [tr.block_ids[b] if b * bs >= local else -1 for b in range(b0, b1)]
             chunks.append(ChunkRef(i, block_hash_hex(request.block_hashes[b1 - 1]), ids))
@@ -282,6 +283,15 @@ class AscendStoreScheduler:
         # reports the request's saves done (finished_sending).
         self._delayed_free.append(request.request_id)
         return True, None
+
+    def hit_tier(self) -> str:
+        """vLLM CacheHitSource name for pool hits: a node-local pool is host memory.
+
+        Per-object tiers (a local pool's DRAM vs disk) are not reported by the
+        backend contract, so a pool spanning nodes counts as unspecified."""
+        if self._guard is not None and not self._guard.capabilities.shared_across_nodes:
+            return "HOST"
+        return "EXTERNAL_UNSPECIFIED"
 
     def take_events(self) -> Iterable[Any]:
         events, self._events = self._events, []

@@ -9,6 +9,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from ascendstore.engine import EngineMetrics
 from ascendstore.engine.metrics import COUNTERS, GAUGES
+from ascendstore_vllm.gr.stats import gr_prom_metrics_if_enabled, reduce_prefixed
 
 
 @dataclass
@@ -38,6 +39,7 @@ class AscendStoreStats(KVConnectorStats):
                 out[f"{kind}_MB"] = round(nbytes / 1e6, 3)
                 if secs:
                     out[f"{kind}_GBps"] = round(nbytes / secs / 1e9, 3)
+        out.update(reduce_prefixed(d))  # GR counters (gr_*), when GR mode is on
         return out
 
 
@@ -76,6 +78,7 @@ class AscendStorePromMetrics(KVConnectorPromMetrics):
                 multiprocess_mode="mostrecent",
             )
             self._gauges[name] = {i: metric.labels(*v) for i, v in per_engine_labelvalues.items()}
+        self._gr = gr_prom_metrics_if_enabled(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
@@ -83,3 +86,5 @@ class AscendStorePromMetrics(KVConnectorPromMetrics):
                 self._counters[name][engine_idx].inc(value)
             elif name in self._gauges:
                 self._gauges[name][engine_idx].set(value)
+        if self._gr is not None:
+            self._gr.observe_prefixed(transfer_stats_data, engine_idx)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -81,6 +82,8 @@ class AscendStoreWorker:
         self.sync: DeviceSync | None = None
         self._scratch: torch.Tensor | None = None
         self._geom: tuple[tuple[int, int, tuple[tuple[int, int], ...], int], ...] = ()
+        self._layer_bytes: list[int] = []
+        self._chunk_bytes = 0
         self._meta: AscendStoreMetadata | None = None
         self._async_loads: set[str] = set()
         self._recv_done: set[str] = set()
@@ -103,18 +106,20 @@ class AscendStoreWorker:
             # The backend cannot read device memory: go through pinned host buffers, in batches.
             self.staging = HostStaging(kv_caches, self.ctx.config.staging_buffer_bytes)
             self.engine.stager = self.staging
-        views = kv_caches
         self.layout = KVLayout(
             [
                 LayerSpan.from_view(name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size())
-                for name, t in views.items()
+                for name, t in kv_caches.items()
             ]
         )
         self._geom = tuple((lay.base, lay.block_stride, lay.runs, lay.num_blocks) for lay in self.layout.layers)
+        self._layer_bytes = [lay.block_bytes for lay in self.layout.layers]
+        self._chunk_bytes = sum(self._layer_bytes)
         # Room for one block of any layer: the landing spot for chunk blocks the
-        # device already holds (a chunk object is read whole).
+        # device already holds (a chunk object is read whole). Same device as the
+        # KV so a backend reading device memory gets one kind of region.
         span = max(off + n for lay in self.layout.layers for off, n in lay.runs)
-        self._scratch = torch.empty(span, dtype=torch.uint8)
+        self._scratch = torch.empty(span, dtype=torch.uint8, device=device)
         if caps.needs_registration or caps.zero_copy:
             regions = self.staging.host_regions() if self.staging else self.layout.registration_regions()
             st = self.guard.register(regions)
@@ -137,6 +142,7 @@ class AscendStoreWorker:
         scratch = self._scratch.data_ptr()
         out: list[Region] = []
         append = out.append
+        last_end = -1
         for base, stride, runs, nblocks in geom:
             for b in block_ids:
                 if b < 0:
@@ -147,7 +153,14 @@ class AscendStoreWorker:
                 else:
                     raise IndexError(f"block {b} outside the KV cache ({nblocks} blocks)")
                 for off, n in runs:
-                    append(_region(start + off, n))
+                    addr = start + off
+                    if out and last_end == addr:
+                        # Adjacent to the previous run (consecutive blocks of a layer): one region.
+                        prev = out[-1]
+                        out[-1] = _region(prev.addr, prev.length + n)
+                    else:
+                        append(_region(addr, n))
+                    last_end = addr + n
         return out
 
     def _ops(self, spec: LoadSpec | SaveSpec, layer: int | None, writer_only: bool = False) -> list[ChunkOp]:
@@ -155,8 +168,10 @@ class AscendStoreWorker:
         for c in spec.chunks:
             if writer_only and not self.ctx.replicas.writes(c.index):
                 continue
-            ops.append(ChunkOp(self.keys.key(spec.tenant, c.chunk_hash, layer), self._regions(c.block_ids, layer),
-                               [b for b in c.block_ids if b >= 0], c.index, layer))
+            nbytes = len(c.block_ids) * (self._chunk_bytes if layer is None else self._layer_bytes[layer])
+            ops.append(ChunkOp(self.keys.key(spec.tenant, c.chunk_hash, layer), [],
+                               [b for b in c.block_ids if b >= 0], c.index, layer, nbytes,
+                               partial(self._regions, c.block_ids, layer)))
         return ops
 
     # -- per step ----------------------------------------------------------------------
@@ -208,7 +223,7 @@ class AscendStoreWorker:
         i = self.layout.index.get(layer_name)
         if i is None:
             return
-        before = self._ready_hook(i)
+        before = self._ready_hook()
         if self._step_exists is None or self._step_exists[0] is not self._meta:
             # One batched exists per step for every layer's objects (asked on the saver thread).
             keys = [self.keys.key(s.tenant, c.chunk_hash, lay) for s in self._meta.saves for c in s.chunks
@@ -226,7 +241,7 @@ class AscendStoreWorker:
             return
         if not meta.saves:
             return
-        before = self._ready_hook(None)
+        before = self._ready_hook()
         for spec in meta.saves:
             ops = self._ops(spec, None, writer_only=True)
             skipped = len(spec.chunks) - len(ops)
@@ -235,7 +250,7 @@ class AscendStoreWorker:
             if ops:
                 self.engine.submit_save(spec.req_id, ops, before=before)
 
-    def _ready_hook(self, layer: int | None) -> Callable[[], None] | None:
+    def _ready_hook(self) -> Callable[[], None] | None:
         """Saves must not read KV before the device has written it."""
         if self.sync is None or self.sync.is_cpu:
             return None

@@ -13,7 +13,7 @@ import pytest
 from chaos_helpers import KiB, MiB, faulty_config, local_config, pool_name, report
 
 from ascendstore.chaos import FaultyBackend
-from ascendstore.contract import BackendContext, Region, Status
+from ascendstore.contract import BackendContext, Region
 from ascendstore.engine import BackendGuard, ChunkOp, KeyBuilder, PoolLookup, TransferEngine
 from ascendstore.keys import RankPart
 from ascendstore.registry import create_backend

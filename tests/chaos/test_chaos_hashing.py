@@ -22,28 +22,33 @@ ROOT = Path(__file__).parents[2]
 # builds it) -> our chunk hashes -> pool key text, for both crypto algorithms.
 HASHES = textwrap.dedent(
     """
-    import json, sys
+    import json, os, sys
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
     from ascendstore.keys import PoolKey, RankPart, chunk_hashes, tenant_id
 
-    out = {}
-    for algo in ("sha256", "sha256_cbor"):
-        fn = get_hash_fn_by_name(algo)
-        init_none_hash(fn)
-        for salt in (None, "alice"):
-            req = Request("r", list(range(100, 164)), SamplingParams(max_tokens=1), None,
-                          cache_salt=salt, block_hasher=get_request_block_hasher(16, fn))
-            hs = chunk_hashes(list(req.block_hashes), 2)
-            out[f"{algo}/{salt}"] = [PoolKey(tenant_id(salt), "f" * 16, RankPart(), h).text() for h in hs]
-    print(json.dumps(out))
+    def keys():
+        out = {}
+        for algo in ("sha256", "sha256_cbor"):
+            fn = get_hash_fn_by_name(algo)
+            init_none_hash(fn)
+            for salt in (None, "alice"):
+                req = Request("r", list(range(100, 164)), SamplingParams(max_tokens=1), None,
+                              cache_salt=salt, block_hasher=get_request_block_hasher(16, fn))
+                hs = chunk_hashes(list(req.block_hashes), 2)
+                out[f"{algo}/{salt}"] = [PoolKey(tenant_id(salt), "f" * 16, RankPart(), h).text() for h in hs]
+        return out
+
+    unseeded = keys()
+    os.environ["PYTHONHASHSEED"] = "1"  # vLLM reads it when NONE_HASH is initialised
+    print(json.dumps({"unseeded": unseeded, "seeded": keys()}))
     """
 )
 
 
-def _keys_in_fresh_process(**env_over: str) -> dict[str, list[str]]:
+def _keys_in_fresh_process(**env_over: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     env.update(env_over)
     return subprocess.Popen(
@@ -52,13 +57,14 @@ def _keys_in_fresh_process(**env_over: str) -> dict[str, list[str]]:
 
 
 def test_pool_keys_are_identical_across_processes_without_pythonhashseed():
-    procs = [_keys_in_fresh_process(), _keys_in_fresh_process(), _keys_in_fresh_process(PYTHONHASHSEED="1")]
+    procs = [_keys_in_fresh_process(), _keys_in_fresh_process()]
     outs = []
     for p in procs:
         stdout, _ = p.communicate(timeout=180)
         assert p.returncode == 0
         outs.append(json.loads(stdout))
-    a, b, seeded = outs
+    a, b = outs[0]["unseeded"], outs[1]["unseeded"]
+    seeded = outs[0]["seeded"]
     assert a == b, "two engines without PYTHONHASHSEED must compute the same pool keys"
     assert all(len(v) == 2 for v in a.values())
     # tenants and algorithms never share a key

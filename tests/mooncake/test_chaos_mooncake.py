@@ -24,10 +24,9 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.mooncake, pytest.mark.vllm, pytest.mark.timeout(400)]
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "chaos"))
+from ascendstore_vllm.testing import EngineHarness, EngineSpec  # noqa: E402
 from chaos_helpers import report  # noqa: E402
 from chaos_scenarios import BS, exact, run_timed  # noqa: E402
-
-from ascendstore_vllm.testing import EngineHarness, EngineSpec  # noqa: E402
 
 N_PROMPTS = 8
 BLOCKS = 6

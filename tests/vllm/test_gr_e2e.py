@@ -233,6 +233,16 @@ def test_failed_swap_in_is_recomputed(pool, engines):
     assert (st["swapin_attempts"], st.get("swapin_successes", 0)) == (1, 0)
     assert b.records[1].scheduled == {"b1": HIST + CAND}  # vLLM recomputed the history
     assert_kv_exact(b, "b1", p)
+    # the broken record was dropped: the user's next request re-saves the history
+    b.scheduler.schedule = real_schedule
+    ask(b, "b2", "u1", cand=6)
+    b.run()
+    assert gr_stats(b)["saves"] == 1
+    c = engines(spec(pool))
+    p3 = ask(c, "c1", "u1", cand=7)
+    c.run()
+    assert c.first_schedule("c1") == (HIST, CAND)
+    assert_kv_exact(c, "c1", p3)
 
 
 def test_ordinary_and_malformed_requests_are_plain_prefix_caching(pool, engines):

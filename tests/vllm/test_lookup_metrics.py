@@ -26,6 +26,7 @@ def test_lookup_rpc_to_worker_when_backend_has_no_scheduler_client(pool_root):
         b.add_request("b", PROMPT[:64] + [9] * 10)
         b.run()
         assert b.first_schedule("b") == (64, 10)
+        assert b.connector.scheduler.hit_tier() == "EXTERNAL_UNSPECIFIED"  # no scheduler client
         assert all(torch.equal(x, y) for x, y in zip(b.prompt_kv("b"), b.expected_prompt_kv(PROMPT[:64] + [9] * 10),
                                                      strict=True))
     finally:
@@ -53,6 +54,10 @@ def test_stats_and_prometheus(pool_root):
         eng.run()
         eng.add_request("b", PROMPT[:80] + [1, 2, 3])
         eng.run()
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        assert eng.connector.get_external_cache_hit_sources(eng.scheduler.requests.get("b") or object(), 16) == {
+            CacheHitSource.HOST: 16}  # a node-local pool is host memory
         # Scheduler-side counters (lookups) are reported by the scheduler's connector;
         # "b" is wholly in the device prefix cache, so it needs no pool lookup.
         assert eng.connector.scheduler.metrics.totals()["lookups"] == 1

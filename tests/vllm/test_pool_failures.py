@@ -143,3 +143,26 @@ def test_preempted_loaded_request_resumes_exact(pool_root, mode):
         assert eng.stats_total()["load_ops"] >= 7 * (2 if mode else 1)
     finally:
         eng.close()
+
+
+def test_abort_during_async_load_frees_after_the_load(pool_root):
+    fill_pool(pool_root, load_async=True)
+    cfg = pool_config(pool_root, load_async=True, backend_config={"hang_ops": ["get"], "hang_s": 0.5})
+    b = EngineHarness(EngineSpec(extra_config=cfg))
+    try:
+        b.add_request("b", PROMPT_B)
+        b.step()
+        from vllm.v1.request import RequestStatus
+
+        assert b.scheduler.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        b.abort("b")
+        assert "b" in b.scheduler.requests, "blocks stay while the load may still write them"
+        b.run(timeout_s=30)
+        assert any("b" in r.finished_recving for r in b.records)
+        assert not b.scheduler.requests
+        # The engine is healthy afterwards.
+        b.add_request("c", PROMPT_B[:50])
+        b.run(timeout_s=30)
+        assert exact(b, "c", PROMPT_B[:50])
+    finally:
+        b.close()

@@ -81,3 +81,10 @@ def test_block_outermost_layout(pool_root):
     finally:
         a.close()
         b.close()
+
+
+def test_chunk_size_must_be_a_multiple_of_the_block_size(pool_root):
+    from ascendstore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="chunk_size.*multiple of vLLM's block_size"):
+        EngineHarness(EngineSpec(extra_config=pool_config(pool_root, chunk_size=24)))

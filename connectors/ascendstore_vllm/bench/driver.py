@@ -301,6 +301,10 @@ class BenchDriver:
                 "granularity=user was requested (gr.enabled, uid + user_history_len on every request) "
                 f"but {s.kv_connector} reported no GR activity: these numbers are its chunk pool's"
             )
+        if stats.get("gr_bytes_loaded") or stats.get("gr_bytes_saved"):
+            notes.append(
+                "load/save GB/s cover the chunk pool only: the GR user store reports bytes, not time"
+            )
         ordered = [records[r.req_id] for r in reqs if r.req_id in records]
         return build_report(
             workload=self.workload.name,
@@ -309,8 +313,11 @@ class BenchDriver:
             block_size=bs,
             chunk_size=self.chunk_size,
             lookup_latency_us=timers.lookup_us,
-            bytes_loaded=int(stats.get("load_bytes", 0)),
-            bytes_saved=int(stats.get("save_bytes", 0)),
+            # Chunk pool and GR user store report their traffic separately.
+            bytes_loaded=int(stats.get("load_bytes", 0) + stats.get("gr_bytes_loaded", 0)),
+            bytes_saved=int(stats.get("save_bytes", 0) + stats.get("gr_bytes_saved", 0)),
+            load_rate_bytes=int(stats.get("load_bytes", 0)),
+            save_rate_bytes=int(stats.get("save_bytes", 0)),
             load_wall_s=float(stats.get("load_time_s", 0.0)),
             save_wall_s=float(stats.get("save_time_s", 0.0)),
             kv_bytes_verified=verified,

@@ -16,15 +16,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from ascendstore_vllm.context import ConnectorContext
-from ascendstore_vllm.gr.hooks import GRPlan
-from ascendstore_vllm.gr.stats import GRConnectorStats, GRPromMetrics
-from ascendstore_vllm.gr.wiring import GRAttachment
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
+
+from ascendstore_vllm.context import ConnectorContext
+from ascendstore_vllm.gr.hooks import GRPlan
+from ascendstore_vllm.gr.stats import GRConnectorStats, GRPromMetrics
+from ascendstore_vllm.gr.wiring import GRAttachment
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

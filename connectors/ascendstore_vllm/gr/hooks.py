@@ -21,11 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ascendstore_vllm.gr.user_lru import UserKVLRU
-
 from ascendstore.config import GRConfig
 from ascendstore.contract import Region, Status
 from ascendstore.gr import GRInputError, GRRequest, GRStats, UserHit, UserStore, parse_gr_request
+from ascendstore_vllm.gr.user_lru import UserKVLRU
 
 log = logging.getLogger(__name__)
 
@@ -263,6 +262,10 @@ class GRWorkerHooks:
             else:
                 log.warning("GR swap-in of user %s: %s; recomputing %d blocks", ld.uid, st.name, len(wanted))
                 failed.update(wanted)
+                if st in (Status.NOT_FOUND, Status.CORRUPT, Status.INVALID):
+                    # the record promised KV that is not (or no longer) there: drop it, so the
+                    # next lookup misses and that request saves the history again
+                    self.store.forget_record(ld.uid)
         return failed
 
     def save(self, plan: GRPlan) -> None:

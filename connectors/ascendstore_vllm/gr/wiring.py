@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ascendstore_vllm.context import ConnectorContext
-from ascendstore_vllm.gr.hooks import GRPlan, GRSchedulerHooks, GRWorkerHooks
-
 from ascendstore.contract import BackendContext
 from ascendstore.errors import ConfigError
 from ascendstore.gr import GRStats, UserStore
 from ascendstore.registry import create_backend
+from ascendstore_vllm.context import ConnectorContext
+from ascendstore_vllm.gr.hooks import GRPlan, GRSchedulerHooks, GRWorkerHooks
 
 if TYPE_CHECKING:
     import torch
@@ -134,9 +133,8 @@ class GRAttachment:
     # -- worker side ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], staging: Any = None) -> None:
         """Map block ids to vLLM's KV bytes (or to ``staging``'s host copies)."""
-        from ascendstore_vllm.device import DeviceSync, HostStaging
-
         from ascendstore.engine import KVLayout, LayerSpan
+        from ascendstore_vllm.device import DeviceSync, HostStaging
 
         assert self.worker is not None
         device = next(iter(kv_caches.values())).device

@@ -173,12 +173,11 @@ class RankWorker:
         return 0 if self.engine.spec.replicated_kv else self.rank
 
     def expected(self, token_ids: list[int], start: int, end: int, layer: int) -> torch.Tensor:
-        spec = self.engine.spec
-        t = torch.tensor(token_ids[start:end])
-        p = torch.arange(start, end)
+        """What the fake model writes for positions [start, end): [n, heads, width]."""
         sample = next(iter(self.kv_caches.values()))
-        return fake_kv(t, p, layer, self.shard, sample.shape[1], sample.shape[3], sample.dtype) if len(t) else \
-            torch.empty(0, sample.shape[1], sample.shape[3], dtype=sample.dtype).to(spec and sample.dtype)
+        t = torch.tensor(token_ids[start:end], dtype=torch.int64)
+        p = torch.arange(start, end)
+        return fake_kv(t, p, layer, self.shard, sample.shape[1], sample.shape[3], sample.dtype)
 
     def gather(self, block_ids: list[int], start: int, end: int, layer: int) -> torch.Tensor:
         """KV of positions [start, end) of a request from its blocks: [n, heads, width]."""

@@ -1,0 +1,36 @@
+"""Delete one GR user from a live pool with the CLI (``ascendstore pool rm --user``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+from test_gr_store import FakeDevice, history, make_store
+
+from ascendstore.registry import create_backend
+
+
+def test_pool_rm_user_removes_every_object_of_that_user_only():
+    opts = {"name": "grcli-" + uuid.uuid4().hex[:8], "capacity": "8MiB", "page_size": "4KiB"}
+    backend = create_backend("local", opts)  # holds the shared-memory pool open
+    try:
+        dev = FakeDevice()
+        hist = history(16)
+        for model, layerwise in (("m.1", False), ("m.2", True)):
+            s = make_store(backend, model=model, layerwise=layerwise)
+            for uid in ("u1", "u11", "u2"):
+                s.save_kv(uid, hist, dev.regions(range(4)))
+        before = sorted(backend.list_keys(""))
+        cmd = [sys.executable, "-m", "ascendstore.cli", "pool", "rm", "--user", "u1", "--yes",
+               "--backend", "local", "--backend-config", json.dumps(opts)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr + out.stdout
+        after = sorted(backend.list_keys(""))
+        assert [k for k in before if k.startswith("u1@")] and not [k for k in after if k.startswith("u1@")]
+        assert after == [k for k in before if not k.startswith("u1@")]  # u11 and u2 untouched
+        assert make_store(backend, model="m.1").lookup("u11", np.asarray(hist)).hit_tokens == 16
+    finally:
+        backend.close()
