@@ -97,24 +97,24 @@ class AscendStoreConfig(BaseModel):
         validation_alias=AliasChoices("lookup_rpc_port", "mooncake_rpc_port"),
         description="distinguishes lookup IPC paths of instances on one host",
     )
-    load_async: Bool = False
-    use_layerwise: Bool = False
-    consumer_is_to_put: Bool = False
-    consumer_is_to_load: Bool = False
-    save_decode_cache: Bool = False
-    discard_partial_chunks: Bool = True
-    prefill_pp_size: int = Field(1, ge=1)
-    prefill_pp_layer_partition: str | None = None
-    prefill_tp_size: int | None = Field(None, ge=1)
-    decode_tp_size: int | None = Field(None, ge=1)
-    h2d_stagger_us: int = Field(0, ge=0)
-    layerwise_prefetch_layers: int = Field(1, ge=1)
-    layerwise_max_transfer_blocks: int = Field(0, ge=0)
-    layerwise_max_transfer_bytes: ByteSize = 0
-    layerwise_num_shared_buffers: int = Field(2, ge=1)
-    layerwise_independent_layers: Bool = False
-    qos_priority: int = Field(0, ge=0, le=4)
-    memcache_dp_init_barrier: Bool = False
+    load_async: Bool = Field(False, description="load on a transfer thread; the request waits in the scheduler until its KV arrives")
+    use_layerwise: Bool = Field(False, description="store and load per layer, overlapping transfers with the forward pass")
+    consumer_is_to_put: Bool = Field(False, description="PD split: decode (kv_consumer) nodes also write the pool")
+    consumer_is_to_load: Bool = Field(False, description="PD split: decode (kv_consumer) nodes also read the pool")
+    save_decode_cache: Bool = Field(False, description="also save chunks completed during decode (generated tokens)")
+    discard_partial_chunks: Bool = Field(True, description="only whole chunks are saved and counted as hits")
+    prefill_pp_size: int = Field(1, ge=1, description="PD split: pipeline size of the prefill instances")
+    prefill_pp_layer_partition: str | None = Field(None, description="PD split: layers per prefill PP stage, e.g. \"18,18\"")
+    prefill_tp_size: int | None = Field(None, ge=1, description="PD split: TP size of the prefill instances (checked against the instance)")
+    decode_tp_size: int | None = Field(None, ge=1, description="PD split: TP size of the decode instances (checked against the instance)")
+    h2d_stagger_us: int = Field(0, ge=0, description="extra per-rank delay before a load starts (rank x this), on top of staggered order")
+    layerwise_prefetch_layers: int = Field(1, ge=1, description="layerwise: layers loaded ahead of the forward pass")
+    layerwise_max_transfer_blocks: int = Field(0, ge=0, description="layerwise: blocks per transfer batch; 0: unlimited")
+    layerwise_max_transfer_bytes: ByteSize = Field(0, description="layerwise: bytes per transfer batch; 0: unlimited")
+    layerwise_num_shared_buffers: int = Field(2, ge=1, description="layerwise: staging buffers shared by layers (device KV)")
+    layerwise_independent_layers: Bool = Field(False, description="accepted for vllm-ascend compatibility; layers are always independent objects here")
+    qos_priority: int = Field(0, ge=0, le=4, description="accepted for vllm-ascend compatibility (0-4); no backend here uses it yet")
+    memcache_dp_init_barrier: Bool = Field(False, description="accepted for vllm-ascend compatibility; no effect here (memcache clients start independently)")
 
     # -- AscendStore keys -------------------------------------------------------
     chunk_size: int | None = Field(
@@ -134,8 +134,8 @@ class AscendStoreConfig(BaseModel):
     min_lookup_tokens: int = Field(0, ge=0, description="skip pool lookups for shorter prompts")
     tenant: str | None = Field(None, description="default tenant when a request has no cache_salt")
     instance_id: str | None = Field(None, description="names this vLLM instance in IPC paths")
-    kv_events: Bool = True
-    gr: GRConfig = Field(default_factory=GRConfig)
+    kv_events: Bool = Field(True, description="publish BlockStored/BlockRemoved KV events for routers")
+    gr: GRConfig = Field(default_factory=GRConfig, description="GR mode; see the gr.* keys")
 
 
 def _read_file(path: str) -> dict[str, Any]:
@@ -187,6 +187,7 @@ def config_reference() -> list[tuple[str, str, str, str]]:
             if name == "gr" and model is AscendStoreConfig:
                 continue
             default = info.get_default(call_default_factory=True)
-            ann = str(info.annotation).replace("typing.", "")
-            rows.append((prefix + name, ann, json.dumps(default), info.description or ""))
+            from ascendstore.docgen import type_name
+
+            rows.append((prefix + name, type_name(info.annotation), json.dumps(default), info.description or ""))
     return rows

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import sys
+import types
+import typing
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel
 
-from ascendstore.config import config_reference
+from ascendstore.config import AscendStoreConfig, GRConfig
 
 HEADER = """# Configuration reference
 
@@ -29,6 +32,23 @@ Sizes accept units (`4GiB`, `512MB`).
 OWN_BACKENDS = ("local", "mooncake", "memcache")
 
 
+def type_name(ann: Any) -> str:
+    """A readable type: Annotated metadata (validators) dropped, so output is stable."""
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin is typing.Annotated:
+        return type_name(args[0])
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_name(a) for a in args)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin is not None:
+        inner = ", ".join(type_name(a) for a in args)
+        return f"{getattr(origin, '__name__', str(origin))}[{inner}]"
+    if ann is type(None):
+        return "None"
+    return getattr(ann, "__name__", str(ann))
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -39,28 +59,32 @@ def _table(rows: list[tuple[str, str, str, str]]) -> list[str]:
     return out
 
 
-def model_rows(model: type[BaseModel]) -> list[tuple[str, str, str, str]]:
+def model_rows(model: type[BaseModel], skip: tuple[str, ...] = ()) -> list[tuple[str, str, str, str]]:
     rows = []
     for name, info in model.model_fields.items():
+        if name in skip:
+            continue
         default = info.get_default(call_default_factory=True)
         try:
             default_txt = json.dumps(default)
         except TypeError:
             default_txt = str(default)
-        rows.append((name, str(info.annotation).replace("typing.", ""), default_txt, info.description or ""))
+        rows.append((name, type_name(info.annotation), default_txt, info.description or ""))
     return rows
 
 
 def render() -> str:
     lines = [HEADER, "## Connector keys", ""]
-    lines += _table(config_reference())
+    lines += _table(model_rows(AscendStoreConfig, skip=("gr",)))
+    lines += ["", "### `gr` (GR mode, nested under the key `gr`)", ""]
+    lines += _table([(f"gr.{k}", t, d, m) for k, t, d, m in model_rows(GRConfig)])
     from ascendstore.registry import installed_backends, load_backend_class
 
     # Our own backends only: a third-party plugin installed beside us documents itself.
     for name in [n for n in OWN_BACKENDS if n in installed_backends()]:
         try:
             cls = load_backend_class(name)
-        except Exception as exc:  # noqa: BLE001 - a broken plugin is documented as such
+        except Exception as exc:  # a broken plugin is documented as such
             lines += ["", f"## `backend_config` for `{name}`", "", f"(could not be loaded here: {exc})"]
             continue
         doc = (cls.Options.__doc__ or "").strip()
