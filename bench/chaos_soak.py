@@ -54,7 +54,7 @@ def main(
     eng = EngineHarness(EngineSpec(extra_config=extra, num_blocks=256, max_num_seqs=16))
     rng = np.random.default_rng(0)
     recurring = [rng.integers(10, 900, 6 * BS + 4).tolist() for _ in range(12)]
-    counts = {"requests": 0, "finished": 0, "inexact": 0, "waves": 0}
+    counts = {"requests": 0, "finished": 0, "inexact": 0, "waves": 0, "failed_step_reads": 0}
     samples: list[dict] = []
     base = None
     t_start = time.monotonic()
@@ -77,6 +77,9 @@ def main(
             engine_stats = EngineMetrics.merge(engine_stats, eng.stats_total())
             counts["waves"] += 1
             counts["requests"] += len(wave)
+            for w in eng.workers:  # read checks of steps whose loads failed (discarded by vLLM)
+                counts["failed_step_reads"] += len(w.read_errors)
+                w.read_errors.clear()
             for rid, p in wave:
                 counts["finished"] += rid in eng.snapshots
                 counts["inexact"] += not exact(eng, rid, p)

@@ -280,8 +280,10 @@ class FaultyBackend(Backend):
         self, keys: Sequence[str], regions: Sequence[Sequence[Region]] | None, idx: list[int], out: list[Status]
     ) -> None:
         assert regions is not None
+        # Sizes are remembered only under a quota: the wrapped store evicts on its
+        # own, so an unbounded record of every key would be this wrapper's leak.
         with self._lock:
-            for i in idx:
+            for i in idx if self.options.quota_bytes else ():
                 if out[i] is Status.OK and keys[i] not in self._sizes:
                     size = sum(r.length for r in regions[i])
                     self._sizes[keys[i]] = size

@@ -79,15 +79,17 @@ def test_hang_ignores_the_timeout_and_the_guard_cuts_it_off(make):
     t0 = time.monotonic()
     assert be.exists(["k0"], 0.05) == [OK]  # a contract breach: answered late
     assert time.monotonic() - t0 >= 0.8
+    be.set_faults(hang_s={"exists": 3.0})
     guard = BackendGuard(be, timeout_s=0.1)
     try:
         t0 = time.monotonic()
         assert guard.exists(["k0"]) == [TIMEOUT]
-        assert time.monotonic() - t0 < 0.1 + SLACK
+        took = time.monotonic() - t0
+        # the guard answered while the hung call was still running
+        assert guard.stuck_calls == 1 and took < 3.0
         assert guard.metrics.totals()["timeouts"] == 1
     finally:
-        time.sleep(0.9)  # let the stuck call end before the pool closes
-        guard.close()
+        guard.close()  # the late call then finds the client closed: UNAVAILABLE, no crash
 
 
 def test_failure_rate_is_seeded_and_per_key(make):
