@@ -45,6 +45,23 @@ def _region(addr: int, length: int) -> Region:
     return r
 
 
+def _platform_device_type() -> str:
+    """Device type of this vLLM platform ("cpu", "cuda", "npu", ...)."""
+    from vllm.platforms import current_platform
+
+    return str(getattr(current_platform, "device_type", "") or "cpu")
+
+
+def _local_rank(fallback: int) -> int:
+    """This worker's rank on its node (device index), once vLLM's groups exist."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return int(get_world_group().local_rank)
+    except (AssertionError, AttributeError, RuntimeError):
+        return fallback
+
+
 class AscendStoreWorker:
     #: stage through host buffers even for CPU KV (tests exercise the device path with it).
     force_staging = False
@@ -60,6 +77,9 @@ class AscendStoreWorker:
                 role="worker",
                 rank=ctx.tp_rank + ctx.pp_rank * ctx.tp_size,
                 world_size=ctx.tp_size * ctx.pp_size,
+                local_rank=_local_rank(ctx.tp_rank),
+                # Backends choose copy directions (host vs device memory) from this.
+                device_type=_platform_device_type(),
                 instance_id=ctx.instance_id,
                 timeout_s=cfg.timeout_ms / 1000,
             ),
