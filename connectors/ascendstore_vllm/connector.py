@@ -55,7 +55,9 @@ class AscendStoreConnector(KVConnectorBase_V1):
             self.worker = AscendStoreWorker(self.ctx)
         # GR mode (gr.enabled): requests carrying a uid are the user store's alone;
         # every other request uses the chunk pool.
-        self.gr = attach_gr(self.ctx, role == KVConnectorRole.SCHEDULER, kv_cache_config)
+        # It shares this role's guarded client (one connection per process).
+        shared = self.worker.guard if self.worker is not None else getattr(self.scheduler, "_guard", None)
+        self.gr = attach_gr(self.ctx, role == KVConnectorRole.SCHEDULER, kv_cache_config, backend=shared)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -124,7 +126,8 @@ class AscendStoreConnector(KVConnectorBase_V1):
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches)
         if self.gr is not None:
-            self.gr.register_kv_caches(kv_caches)
+            # Reuse the chunk pool's host staging: no second host copy of device KV.
+            self.gr.register_kv_caches(kv_caches, self.worker.staging)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -24,6 +24,9 @@ log = logging.getLogger("ascendstore_vllm")
 
 NAME = "AscendStoreConnector"
 ALIAS = "AscendStorePoolConnector"
+#: the GR-only connector (pools user histories, nothing else)
+GR_NAME = "AscendStoreGRConnector"
+GR_MODULE = "ascendstore_vllm.gr.connector"
 OWNER_ENV = "ASCENDSTORE_CONNECTOR_OWNER"
 MODULE = "ascendstore_vllm.connector"
 CLASS = "AscendStoreConnector"
@@ -92,6 +95,8 @@ def _register() -> None:
     registry: dict[str, Callable[[], Any]] = KVConnectorFactory._registry
     if ALIAS not in registry:
         KVConnectorFactory.register_connector(ALIAS, MODULE, CLASS)
+    if GR_NAME not in registry:
+        KVConnectorFactory.register_connector(GR_NAME, GR_MODULE, GR_NAME)
     current = registry.get(NAME)
     if current is _resolve_plain_name:
         return

@@ -57,3 +57,13 @@ def test_vllm_ascend_registering_first():
         "vllm-ascend": {"plain": "fake_vllm_ascend", "alias": OURS},
         "auto": {"plain": "fake_vllm_ascend", "alias": OURS},
     }
+
+
+def test_gr_connector_is_registered_by_name():
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from ascendstore_vllm.plugin import register
+
+    register()
+    cls = KVConnectorFactory.get_connector_class_by_name("AscendStoreGRConnector")
+    assert cls.__name__ == "AscendStoreGRConnector"
