@@ -57,7 +57,13 @@ chaos: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check . || true
+
+# Microbenchmarks: each prints ratios against a baseline measured in the same run.
+bench: setup
+	$(PY) bench/bench_local.py
+	$(PY) bench/bench_connector.py
+	$(PY) bench/bench_lookup.py
+	$(PY) bench/bench_mooncake.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info ascendstore/local/*.so

@@ -116,7 +116,7 @@ def main() -> None:
                 expect = {"hit": n, "half": n // 2, "miss": 0}[scenario]
                 assert got == expect, f"{scenario}: prefix_hits={got}, expected {expect}"
                 look = timed(lambda t=t, hs=hs: lookup.prefix_hits(t, hs), args.repeat)
-                build = timed(lambda t=t, hs=hs: [keys.lookup_keys(t, h) for h in hs], args.repeat)
+                build = timed(lambda t=t, hs=hs: keys.lookup_keys_flat(t, hs), args.repeat)
                 rows.append(
                     dict(
                         tokens=tokens,

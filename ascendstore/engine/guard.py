@@ -38,6 +38,8 @@ class PendingCall:
     deadline: float = 0.0
 
 
+_STATUS_BY_VALUE: dict[int, Status] = {int(st): st for st in Status}
+
 class BackendGuard:
     def __init__(
         self,
@@ -117,8 +119,10 @@ class BackendGuard:
 
     def _check(self, op: str, result: Any, n: int) -> list[Status]:
         try:
-            out = [Status(s) for s in result]
-        except Exception:
+            # A dict lookup per key: Status(s) costs ~0.4 us each, which adds up on
+            # the lookup of a long prompt (thousands of keys).
+            out = [_STATUS_BY_VALUE[s] for s in result]
+        except (KeyError, TypeError):
             out = []
         if len(out) != n:
             log.error("backend %s returned %r for %d keys; treating as INVALID", op, result, n)

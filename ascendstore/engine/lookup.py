@@ -8,6 +8,8 @@ from ascendstore.contract import Status
 from ascendstore.engine.guard import BackendGuard
 from ascendstore.engine.plan import KeyBuilder
 
+_ANSWERS = {Status.OK, Status.NOT_FOUND}
+
 
 class PoolLookup:
     def __init__(self, guard: BackendGuard, keys: KeyBuilder, timeout_s: float) -> None:
@@ -23,19 +25,13 @@ class PoolLookup:
         todo = list(chunk_hashes[start:])
         if not todo:
             return start
-        per_chunk = [self.keys.lookup_keys(tenant, h) for h in todo]
-        flat = [k for ks in per_chunk for k in ks]
+        # every chunk has the same objects (ranks x layers): ``width`` keys each
+        flat, width = self.keys.lookup_keys_flat(tenant, todo)
         statuses = self.guard.exists(flat, self.timeout_s)
         m = self.guard.metrics
         m.add(lookups=1, lookup_keys=len(flat))
-        if any(s not in (Status.OK, Status.NOT_FOUND) for s in statuses):
+        if set(statuses) - _ANSWERS:
             m.add(lookup_errors=1)
-        i = 0
-        hits = 0
-        for ks in per_chunk:
-            if all(s is Status.OK for s in statuses[i : i + len(ks)]):
-                hits += 1
-                i += len(ks)
-            else:
-                break
-        return start + hits
+        # A chunk hits when all its objects exist; the run stops at the first miss.
+        first_missing = next((i for i, s in enumerate(statuses) if s is not Status.OK), len(statuses))
+        return start + first_missing // width

@@ -9,9 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from ascendstore.contract import Region
 from ascendstore.keys import PoolKey, RankPart
+
+
+@lru_cache(maxsize=8192)
+def _key_prefix(tenant: str, fingerprint: str, rank: RankPart, layer: int | None) -> str:
+    """Everything of a key but the chunk hash. Lookups of long prompts build
+    thousands of keys; concatenating onto a cached prefix keeps that cheap."""
+    return PoolKey(tenant, fingerprint, rank, "", layer).text()
 
 
 def chunk_count(num_tokens: int, chunk_size: int) -> int:
@@ -31,19 +39,31 @@ class KeyBuilder:
     all_ranks: tuple[RankPart, ...] = ()
 
     def key(self, tenant: str, chunk_hash: str, layer: int | None = None) -> str:
-        return PoolKey(tenant, self.fingerprint, self.rank, chunk_hash, layer).text()
+        return _key_prefix(tenant, self.fingerprint, self.rank, layer) + chunk_hash
 
     def keys(self, tenant: str, chunk_hashes: Sequence[str]) -> list[str]:
-        return [self.key(tenant, h) for h in chunk_hashes]
+        prefix = _key_prefix(tenant, self.fingerprint, self.rank, None)
+        return [prefix + h for h in chunk_hashes]
 
     def layer_keys(self, tenant: str, chunk_hash: str) -> list[str]:
         return [self.key(tenant, chunk_hash, layer) for layer in range(self.num_layers)]
 
     def lookup_keys(self, tenant: str, chunk_hash: str) -> list[str]:
         """Every object that must be present for this chunk to be loadable."""
+        return [p + chunk_hash for p in self._lookup_prefixes(tenant)]
+
+    def lookup_keys_flat(self, tenant: str, chunk_hashes: Sequence[str]) -> tuple[list[str], int]:
+        """``lookup_keys`` of many chunks in one flat list, and the keys per chunk."""
+        prefixes = self._lookup_prefixes(tenant)
+        if len(prefixes) == 1:
+            p = prefixes[0]
+            return [p + h for h in chunk_hashes], 1
+        return [p + h for h in chunk_hashes for p in prefixes], len(prefixes)
+
+    def _lookup_prefixes(self, tenant: str) -> list[str]:
         ranks = self.all_ranks or (self.rank,)
         layers: Sequence[int | None] = range(self.num_layers) if self.layerwise else (None,)
-        return [PoolKey(tenant, self.fingerprint, r, chunk_hash, lay).text() for r in ranks for lay in layers]
+        return [_key_prefix(tenant, self.fingerprint, r, lay) for r in ranks for lay in layers]
 
 
 @dataclass(frozen=True)
