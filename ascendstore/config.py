@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import tomllib
 from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from ascendstore.errors import ConfigError, format_validation_error
@@ -152,7 +152,7 @@ def _read_file(path: str) -> dict[str, Any]:
             data = yaml.safe_load(text)
         else:
             data = json.loads(text)
-    except Exception as exc:  # noqa: BLE001 - any parse error is a config error
+    except Exception as exc:
         raise ConfigError(f"config_file {path!r} cannot be parsed: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config_file {path!r} must hold a mapping of keys, not {type(data).__name__}")

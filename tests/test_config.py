@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from pydantic import ValidationError
 
 from ascendstore.config import AscendStoreConfig, config_reference, load_config, parse_bytes
 from ascendstore.errors import ConfigError
@@ -111,7 +112,7 @@ def test_extra_config_must_be_a_mapping():
 
 def test_config_is_frozen():
     c = load_config({})
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         c.backend = "x"  # type: ignore[misc]
 
 

@@ -19,6 +19,7 @@ COUNTERS: tuple[str, ...] = (
     "load_bytes",
     "load_time_s",
     "load_failures",
+    "load_corrupt",
     "save_ops",
     "save_bytes",
     "save_time_s",

@@ -395,8 +395,19 @@ class TransferEngine:
             self.metrics.add(load_failures=len(bad))
             for op in bad:
                 task.failed.update(op.block_ids)
+            corrupt = [op.key for op, s in zip(batch, statuses, strict=True) if s is Status.CORRUPT]
+            if corrupt:
+                self._drop_corrupt(corrupt)
         if task.after is not None:
             task.after(batch, statuses)
+
+    def _drop_corrupt(self, keys: list[str]) -> None:
+        """A damaged object would fail every later load, and saves skip keys that
+        exist: remove it so the next save of that chunk writes it afresh."""
+        self.metrics.add(load_corrupt=len(keys))
+        log.warning("pool returned %d corrupt object(s), removing them (recomputed): %s",
+                    len(keys), ", ".join(keys[:4]) + (" ..." if len(keys) > 4 else ""))
+        self.guard.remove(keys, self.timeout_s)
 
     def _get(self, batch: list[ChunkOp], regions: list[list[Region]]) -> list[Status]:
         keys = [op.key for op in batch]

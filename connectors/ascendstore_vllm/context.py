@@ -37,6 +37,21 @@ def parallel_ranks(vllm_config: VllmConfig) -> tuple[int, int]:
     return rank % tp, (rank // tp) % pc.pipeline_parallel_size
 
 
+
+#: vLLM seeds these block-hash algorithms per process unless PYTHONHASHSEED is set.
+NON_CRYPTO_HASH_ALGOS = frozenset({"xxhash", "xxhash_cbor"})
+
+
+def check_hash_determinism(hash_algo: str, env: Any) -> None:
+    """Fail at start-up when block hashes would differ between processes: every
+    pool lookup would then miss, silently."""
+    if hash_algo in NON_CRYPTO_HASH_ALGOS and env.get("PYTHONHASHSEED") is None:
+        raise ConfigError(
+            f"prefix_caching_hash_algo={hash_algo!r} seeds block hashes randomly per process unless "
+            "PYTHONHASHSEED is set, so no engine could reuse another's pooled KV. Set the same "
+            "PYTHONHASHSEED on every node, or use prefix_caching_hash_algo 'sha256' / 'sha256_cbor'."
+        )
+
 @dataclass(frozen=True)
 class ConnectorContext:
     config: AscendStoreConfig
@@ -132,6 +147,8 @@ class ConnectorContext:
         num_layers = int(getattr(hf, "num_hidden_layers", 0) or 0)
         if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
             num_layers = max(num_layers, len(kv_cache_config.kv_cache_groups[0].layer_names))
+        hash_algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
+        check_hash_determinism(hash_algo, os.environ)
         fp = KVFingerprint(
             model=model_key_name(mc.model),
             dtype=str(getattr(spec, "dtype", vllm_config.cache_config.cache_dtype)),
@@ -145,6 +162,8 @@ class ConnectorContext:
             pp_size=pc.pipeline_parallel_size,
             dcp_size=getattr(pc, "decode_context_parallel_size", 1),
             use_mla=use_mla,
+            # Engines that hash blocks differently can never share chunk keys.
+            extra=f"hash={hash_algo}",
         )
         engine_id = str(ktc.engine_id or "engine")
         return cls(

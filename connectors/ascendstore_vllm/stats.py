@@ -52,6 +52,7 @@ _HELP = {
     "save_bytes": "bytes saved to the pool",
     "save_time_s": "seconds spent in pool puts",
     "load_failures": "chunk objects that failed to load (recomputed)",
+    "load_corrupt": "chunk objects that failed their checksum (removed, recomputed)",
     "save_failures": "chunk objects that failed to save",
     "timeouts": "backend calls that overran timeout_ms",
 }

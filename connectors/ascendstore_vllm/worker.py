@@ -112,9 +112,14 @@ class AscendStoreWorker:
         self._step_exists: tuple[AscendStoreMetadata, SharedExists] | None = None
         self._server: LookupServer | None = None
         if ctx.tp_rank == 0 and ctx.pp_rank == 0 and cfg.lookup_mode in ("auto", "rpc"):
-            self._server = LookupServer(
-                ctx.lookup_ipc_path(), PoolLookup(self.guard, self.keys, cfg.lookup_timeout_ms / 1000)
-            )
+            try:
+                self._server = LookupServer(
+                    ctx.lookup_ipc_path(), PoolLookup(self.guard, self.keys, cfg.lookup_timeout_ms / 1000)
+                )
+            except BaseException:
+                # e.g. the IPC path is taken: don't leave transfer threads and a client behind.
+                self.shutdown()
+                raise
 
     # -- registration ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

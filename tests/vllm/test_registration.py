@@ -60,9 +60,8 @@ def test_vllm_ascend_registering_first():
 
 
 def test_gr_connector_is_registered_by_name():
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
     from ascendstore_vllm.plugin import register
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     register()
     cls = KVConnectorFactory.get_connector_class_by_name("AscendStoreGRConnector")
