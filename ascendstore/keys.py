@@ -141,11 +141,38 @@ def chunk_hashes(block_hashes: list[object], blocks_per_chunk: int) -> list[str]
 # -- GR user keys -------------------------------------------------------------------
 ValueType = Literal["token_id", "kv_cache"]
 _UID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+_TENANT = re.compile(r"[A-Za-z0-9]{1,32}")  # what tenant_id() makes ("t" + hex); "-" is no tenant
+#: joins tenant and uid in a user key's first part; outside the uid alphabet, so no
+#: uid of one tenant (or of none) can spell another tenant's user
+TENANT_SEP = "~"
+
+
+def user_part(uid: str, tenant: str = NO_TENANT) -> str:
+    """First part of a user key: ``{uid}`` for no tenant, else ``{tenant}~{uid}``."""
+    if not _UID.fullmatch(uid):
+        raise ValueError(f"uid {uid!r} must be 1-128 chars of [A-Za-z0-9._:-]")
+    if tenant == NO_TENANT:
+        return uid
+    if not _TENANT.fullmatch(tenant):
+        raise ValueError(f"tenant {tenant!r} must be {NO_TENANT!r} or 1-32 chars of [A-Za-z0-9] (see tenant_id)")
+    return f"{tenant}{TENANT_SEP}{uid}"
+
+
+def split_user_part(text: str) -> tuple[str, str]:
+    """``(uid, tenant)`` of a user key's first part (inverse of ``user_part``)."""
+    tenant, sep, uid = text.rpartition(TENANT_SEP)
+    tenant = tenant if sep else NO_TENANT
+    if user_part(uid, tenant) != text:  # validates both, rejects e.g. "-~u"
+        raise ValueError(f"not a GR user part: {text!r}")
+    return uid, tenant
 
 
 @dataclass(frozen=True)
 class UserKey:
-    """``{uid}@{model}@{world_size}@{worker_id}@{value_type}[@{layer_id}]``."""
+    """``{uid}@{model}@{world_size}@{worker_id}@{value_type}[@{layer_id}]``.
+
+    A user belongs to a tenant: with one (not ``-``) the uid part reads
+    ``{tenant}~{uid}``, so the same uid under two tenants is two users."""
 
     uid: str
     model: str
@@ -153,17 +180,18 @@ class UserKey:
     worker_id: int
     value_type: ValueType
     layer: int | None = None
+    tenant: str = NO_TENANT
 
     def __post_init__(self) -> None:
-        if not _UID.fullmatch(self.uid):
-            raise ValueError(f"uid {self.uid!r} must be 1-128 chars of [A-Za-z0-9._:-]")
+        user_part(self.uid, self.tenant)  # validates uid and tenant
         if "@" in self.model:
             raise ValueError(f"model name {self.model!r} must not contain '@'")
         if self.value_type not in ("token_id", "kv_cache"):
             raise ValueError(f"value_type must be token_id or kv_cache, not {self.value_type!r}")
 
     def text(self) -> str:
-        base = f"{self.uid}@{self.model}@{self.world_size}@{self.worker_id}@{self.value_type}"
+        base = (f"{user_part(self.uid, self.tenant)}@{self.model}@{self.world_size}@{self.worker_id}"
+                f"@{self.value_type}")
         return base if self.layer is None else f"{base}@{self.layer}"
 
     __str__ = text
@@ -173,13 +201,15 @@ class UserKey:
         parts = text.split("@")
         if len(parts) not in (5, 6):
             raise ValueError(f"not a GR user key: {text!r}")
-        uid, model, ws, wid, vt = parts[:5]
+        user, model, ws, wid, vt = parts[:5]
+        uid, tenant = split_user_part(user)
         layer = int(parts[5]) if len(parts) == 6 else None
-        return cls(uid, model, int(ws), int(wid), vt, layer)  # type: ignore[arg-type]
+        return cls(uid, model, int(ws), int(wid), vt, layer, tenant)  # type: ignore[arg-type]
 
     @staticmethod
-    def user_prefix(uid: str) -> str:
-        return f"{uid}@"
+    def user_prefix(uid: str, tenant: str = NO_TENANT) -> str:
+        """Prefix of every key of one user of one tenant (any model and shape)."""
+        return f"{user_part(uid, tenant)}@"
 
 
 def model_key_name(model: str) -> str:

@@ -195,7 +195,7 @@ def test_pool_rm_refuses_unclear_selections(pool):
     _, opts = pool
     common = ("--backend", "local", "--backend-config", opts)
     assert run("pool", "rm", "--prefix", "", "--yes", *common).exit_code == 2
-    res = run("pool", "rm", "--user", "u1", "--tenant", "t", *common)
+    res = run("pool", "rm", "--user", "u1", "--prefix", "u", *common)
     assert res.exit_code == 2 and "only one of" in res.output
     res = run("pool", "rm", *common)
     assert res.exit_code == 2 and "either KEYS or one of" in res.output

@@ -34,3 +34,29 @@ def test_pool_rm_user_removes_every_object_of_that_user_only():
         assert make_store(backend, model="m.1").lookup("u11", np.asarray(hist)).hit_tokens == 16
     finally:
         backend.close()
+
+
+def test_pool_rm_user_of_a_tenant_leaves_the_same_uid_of_other_tenants():
+    from typer.testing import CliRunner
+
+    from ascendstore.cli import get_app
+    from ascendstore.keys import UserKey, tenant_id
+
+    opts = {"name": "grcli-" + uuid.uuid4().hex[:8], "capacity": "8MiB", "page_size": "4KiB"}
+    backend = create_backend("local", opts)
+    try:
+        dev, hist = FakeDevice(), history(16)
+        s = make_store(backend, model="m.1")
+        for tenant in ("-", tenant_id("acme"), tenant_id("globex")):
+            assert s.save_kv("u1", hist, dev.regions(range(4)), tenant=tenant).name == "OK"
+        common = ["--backend", "local", "--backend-config", json.dumps(opts)]
+        res = CliRunner().invoke(get_app(), ["pool", "rm", "--user", "u1", "--tenant", "acme", "--yes", *common])
+        assert res.exit_code == 0 and "removed 2 key(s)" in res.output, res.output
+        left = sorted(backend.list_keys(""))
+        assert not [k for k in left if k.startswith(UserKey.user_prefix("u1", tenant_id("acme")))]
+        assert len(left) == 4  # no-tenant u1 and globex's u1 untouched
+        res = CliRunner().invoke(get_app(), ["pool", "rm", "--user", "u1", "--yes", *common])
+        assert res.exit_code == 0 and "removed 2 key(s)" in res.output, res.output
+        assert [UserKey.parse(k).tenant for k in backend.list_keys("")] == [tenant_id("globex")] * 2
+    finally:
+        backend.close()

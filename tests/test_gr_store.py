@@ -239,10 +239,10 @@ def test_tenant_quota_evicts_least_recently_used_users_of_that_tenant(backend):
         clock.t += 1
         s.save_kv(uid, hist, dev.regions(range(4)), tenant=tenant)
     clock.t += 1
-    s.lookup("a1", hist)  # a1 now most recent: a2 is the tenant's LRU user
+    assert s.lookup("a1", hist, tenant="tA").hit_tokens == 16  # a1 now most recent: a2 is the tenant's LRU user
     assert s.make_room("a3", "tA", per_user)
-    assert s.lookup("a2", hist).hit_tokens == 0
-    assert s.lookup("a1", hist).hit_tokens == 16 and s.lookup("b1", hist).hit_tokens == 16
+    assert s.lookup("a2", hist, tenant="tA").hit_tokens == 0
+    assert s.lookup("a1", hist, tenant="tA").hit_tokens == 16 and s.lookup("b1", hist, tenant="tB").hit_tokens == 16
     # protected (running) users are never evicted; then there is no room
     assert not s.make_room("a4", "tA", 2 * per_user, protect={"a1"})
     assert not s.make_room("a5", "tA", 3 * per_user)
@@ -324,3 +324,120 @@ def test_byte_counters(backend):
     s.load_kv("u1", rec.generation, 4, FakeDevice(seed=2).regions_or_none([None, 1, 2, None]))
     assert s.stats.bytes_saved == 4 * LAYERS * BLOCK_BYTES
     assert s.stats.bytes_loaded == 2 * LAYERS * BLOCK_BYTES
+
+
+# -- tenants ---------------------------------------------------------------------------
+GLOBEX = tenant_id("globex")  # 17 characters, as every salted tenant
+
+
+def test_user_keys_name_the_tenant_and_round_trip():
+    from ascendstore.keys import UserKey, split_user_part
+
+    k = UserKey("42", "m.1", 2, 1, "kv_cache", 3, GLOBEX)
+    assert k.text() == f"{GLOBEX}~42@m.1@2@1@kv_cache@3" and UserKey.parse(k.text()) == k
+    assert UserKey("42", "m.1", 2, 1, "token_id").text() == "42@m.1@2@1@token_id"  # no tenant: unchanged
+    assert split_user_part(f"{GLOBEX}~4.2") == ("4.2", GLOBEX) and split_user_part("4.2") == ("4.2", "-")
+    # no uid of one tenant (or of none) spells another tenant's user: '~' is not in a uid
+    with pytest.raises(ValueError):
+        UserKey(f"{GLOBEX}~42", "m", 1, 0, "token_id")
+    for bad in ("-~42@m@1@0@token_id", "a~b~42@m@1@0@token_id", "t.x~42@m@1@0@token_id"):
+        with pytest.raises(ValueError):
+            UserKey.parse(bad)
+    assert not k.text().startswith(UserKey.user_prefix("42"))
+    assert k.text().startswith(UserKey.user_prefix("42", GLOBEX))
+
+
+def test_salted_users_save_and_hit(backend):
+    """A 17-character tenant id fits the record: salted users are pooled."""
+    s = make_store(backend)
+    dev, out = FakeDevice(seed=1), FakeDevice(seed=2)
+    hist = history(16)
+    assert s.save_kv("42", hist, dev.regions(range(4)), tenant=GLOBEX) is Status.OK
+    hit = s.lookup("42", hist, tenant=GLOBEX)
+    assert hit.hit_tokens == 16 and hit.records[0].tenant == GLOBEX
+    rec = hit.records[0]
+    assert s.load_kv("42", rec.generation, 4, out.regions(range(8, 12)), tenant=GLOBEX) is Status.OK
+    assert (out.kv[:, 8:12] == dev.kv[:, 0:4]).all()
+
+
+def test_same_uid_under_two_tenants_is_two_users(backend):
+    s = make_store(backend)
+    plain, salted = FakeDevice(seed=1), FakeDevice(seed=2)
+    hist = history(16)
+    assert s.save_kv("42", hist, plain.regions(range(4))) is Status.OK
+    assert s.lookup("42", hist, tenant=GLOBEX).hit_tokens == 0, "another tenant's user was served"
+    assert s.lookup("42", hist).hit_tokens == 16, "the miss must not disturb the other tenant's user"
+    assert s.save_kv("42", hist, salted.regions(range(4)), tenant=GLOBEX) is Status.OK
+    for tenant, dev in (("-", plain), (GLOBEX, salted)):
+        rec = s.lookup("42", hist, tenant=tenant).records[0]
+        out = FakeDevice(seed=9)
+        assert s.load_kv("42", rec.generation, 4, out.regions(range(4)), tenant=tenant) is Status.OK
+        assert (out.kv[:, 0:4] == dev.kv[:, 0:4]).all(), tenant
+    # delete is per tenant: the other tenant's user stays
+    assert s.delete_user("42", tenant=GLOBEX) == 2
+    assert s.lookup("42", hist, tenant=GLOBEX).hit_tokens == 0 and s.lookup("42", hist).hit_tokens == 16
+    s.save_kv("42", hist, salted.regions(range(4)), tenant=GLOBEX)
+    assert s.delete_user("42") == 2
+    assert s.lookup("42", hist).hit_tokens == 0 and s.lookup("42", hist, tenant=GLOBEX).hit_tokens == 16
+
+
+def test_record_of_another_tenant_is_a_miss_and_is_kept(backend):
+    s = make_store(backend)
+    hist = history(16)
+    s.save_kv("42", hist, FakeDevice().regions(range(4)), tenant=GLOBEX)
+    key = s.token_key("42", 0, GLOBEX)
+    rec = s.lookup("42", hist, tenant=GLOBEX).records[0]
+    forged = TokenRecord(rec.tokens, rec.kv_blocks, rec.generation, rec.written_at, rec.kv_bytes, "-")
+    buf = s._record_buffer("42", 0, forged)
+    backend.remove([key], 1)
+    assert backend.put([key], [[Region(buf.ctypes.data, buf.nbytes)]], 1) == [Status.OK]
+    assert s.lookup("42", hist, tenant=GLOBEX).hit_tokens == 0
+    assert backend.exists(s.user_keys("42", GLOBEX), 1) == [Status.OK] * 2, "nothing of it was deleted"
+
+
+@pytest.mark.parametrize("damage", ["old-format", "non-ascii-tenant", "no-tenant", "truncated"])
+def test_malformed_records_are_a_miss_never_a_crash(backend, damage):
+    s = make_store(backend)
+    hist = history(16)
+    s.save_kv("42", hist, FakeDevice().regions(range(4)), tenant=GLOBEX)
+    key = s.token_key("42", 0, GLOBEX)
+    buf = s._record_buffer("42", 0, s.lookup("42", hist, tenant=GLOBEX).records[0])
+    if damage == "old-format":
+        buf[:8] = np.frombuffer(b"ASGRTOK1", dtype=np.uint8)
+    elif damage == "non-ascii-tenant":
+        buf[40:42] = 0xFF
+    elif damage == "no-tenant":
+        buf[40:72] = 0
+    else:
+        buf = buf[:40]
+    with pytest.raises(ValueError):
+        TokenRecord.decode(buf)
+    backend.remove([key], 1)
+    backend.put([key], [[Region(buf.ctypes.data, buf.nbytes)]], 1)
+    assert s.lookup("42", hist, tenant=GLOBEX).hit_tokens == 0
+
+
+def test_record_encode_checks_the_tenant_field():
+    toks = np.arange(8, dtype=np.int32)
+    assert TokenRecord.decode(TokenRecord(toks, 2, 1, 0.0, 8, "t" * 32).encode()).tenant == "t" * 32
+    for bad in ("", "t" * 33):
+        with pytest.raises(ValueError):
+            TokenRecord(toks, 2, 1, 0.0, 8, bad).encode()
+
+
+def test_lifecycle_knows_users_per_tenant(backend):
+    clock = Clock()
+    per_user = 4 * LAYERS * BLOCK_BYTES
+    s = make_store(backend, cfg=GRConfig(enabled=True, ttl_s=100, tenant_quota_bytes=per_user), clock=clock)
+    hist = history(16)
+    s.save_kv("42", hist, FakeDevice().regions(range(4)))
+    s.save_kv("42", hist, FakeDevice().regions(range(4)), tenant=GLOBEX)
+    # each tenant holds one user of the quota: neither evicts the other's uid 42
+    assert s.make_room("7", "-", 0) and s.make_room("42", GLOBEX, per_user)
+    assert s.lookup("42", hist).hit_tokens == 16 and s.lookup("42", hist, tenant=GLOBEX).hit_tokens == 16
+    fresh = make_store(backend, clock=clock)  # another process
+    if backend.capabilities.listing:
+        assert sorted(fresh.known_users()) == sorted([("42", "-"), ("42", GLOBEX)])
+        assert fresh.rebuild_index() == 2 and fresh.index.tenant_bytes(GLOBEX) == per_user
+    clock.t += 500
+    assert s.sweep_expired() == 2 and list(backend.list_keys()) == []

@@ -3,8 +3,8 @@
 Listing and prefix removal depend on the backend's declared capabilities
 (``listing``, ``remove_by_prefix``); a backend without them gets a plain
 message, not a stack trace. Selection is by raw key prefix, by GR user
-(``{uid}@...`` keys) or by tenant (the ``cache_salt`` whose chunk keys share
-``as1@{tenant}@``).
+(``{uid}@...`` keys; with ``--tenant`` that tenant's user, ``{tenant_id}~{uid}@...``)
+or by tenant alone (the ``cache_salt`` whose chunk keys share ``as1@{tenant}@``).
 """
 
 from __future__ import annotations
@@ -28,32 +28,38 @@ from ascendstore.cli.common import (
     open_backend,
 )
 from ascendstore.contract import Backend, Status
-from ascendstore.keys import KEY_VERSION, UserKey, tenant_prefix
+from ascendstore.keys import KEY_VERSION, UserKey, tenant_id, tenant_prefix
 
 app = typer.Typer(
     help="Inspect and prune the pool (backends that support listing and removal).", no_args_is_help=True
 )
 
 PrefixOpt = Annotated[str | None, typer.Option("--prefix", help="raw key prefix")]
-UserOpt = Annotated[str | None, typer.Option("--user", help="GR user id: that user's keys")]
+UserOpt = Annotated[
+    str | None,
+    typer.Option("--user", help="GR user id: that user's keys (of --tenant's tenant; default: no tenant)"),
+]
 TenantOpt = Annotated[
-    str | None, typer.Option("--tenant", help="tenant salt (vLLM cache_salt): its chunk keys")
+    str | None,
+    typer.Option("--tenant", help="tenant salt (vLLM cache_salt): its chunk keys, or with --user its GR user"),
 ]
 
 
 def selection_prefix(prefix: str | None, user: str | None, tenant: str | None) -> str | None:
-    """The key prefix the options select (None when none was given)."""
+    """The key prefix the options select (None when none was given).
+
+    ``--user`` with ``--tenant`` selects that tenant's GR user (a GR user is a uid
+    of a tenant; users of the same uid under other tenants are not selected)."""
     given = [x for x in (prefix, user, tenant) if x is not None]
-    if len(given) > 1:
-        raise fail("give only one of --prefix, --user, --tenant", EXIT_USAGE)
+    if len(given) > 1 and not (len(given) == 2 and prefix is None):
+        raise fail("give only one of --prefix, --user, --tenant (--user may take --tenant)", EXIT_USAGE)
     if user is not None:
         if user == KEY_VERSION:
             raise fail(f"user id {user!r} would select every chunk key; remove it with --prefix", EXIT_USAGE)
         try:
-            UserKey(user, "m", 1, 0, "token_id")
+            return UserKey.user_prefix(user, tenant_id(tenant))
         except ValueError as exc:
             raise fail(str(exc), EXIT_USAGE) from None
-        return UserKey.user_prefix(user)
     if tenant is not None:
         return tenant_prefix(tenant)
     return prefix

@@ -110,9 +110,11 @@ class BackendGuard:
             return [Status.UNAVAILABLE] * n
         return self._check(op, result, n)
 
-    def submit_get(self, keys: Sequence[str], regions: Sequence[Sequence[Region]]) -> PendingCall:
+    def submit_get(
+        self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float | None = None
+    ) -> PendingCall:
         """Start a get; collect it with ``result`` (lets the caller prepare the next batch)."""
-        return self._submit("get", len(keys), (list(keys), regions), None)
+        return self._submit("get", len(keys), (list(keys), regions), timeout_s)
 
     def submit_put(self, keys: Sequence[str], regions: Sequence[Sequence[Region]]) -> PendingCall:
         return self._submit("put", len(keys), (list(keys), regions), None)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ascendstore.contract import Region, Status
-from ascendstore.engine.guard import BackendGuard, PendingCall
+from ascendstore.engine.guard import GRACE_S, BackendGuard, PendingCall
 from ascendstore.engine.plan import ChunkOp, stagger
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,8 @@ Hook = Callable[[], None]
 
 #: batch size when building regions overlaps the previous batch's copy.
 PIPELINE_BYTES = 16 << 20
+#: allowance for a load thread to hand a finished task to the forward pass.
+HANDOFF_S = 0.05
 
 
 class Stager(Protocol):
@@ -85,6 +87,8 @@ class _Task:
     after: Callable[[list[ChunkOp], list[Status]], None] | None = None
     skip_existing: bool = True
     shared_exists: SharedExists | None = None
+    #: monotonic time by which a load must be done: one per step, shared by all its loads.
+    deadline: float | None = None
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
     failed: set[int] = field(default_factory=set)
@@ -178,16 +182,27 @@ class TransferEngine:
             t.start()
 
     # -- loads ------------------------------------------------------------------------
-    def load_now(self, req_id: str, ops: Sequence[ChunkOp], after: Callable | None = None) -> set[int]:
-        """Load on the calling thread (synchronous mode). Returns failed block ids."""
-        task = _Task("load", req_id, list(ops), after=after)
+    def load_now(
+        self, req_id: str, ops: Sequence[ChunkOp], after: Callable | None = None, *, deadline: float | None = None
+    ) -> set[int]:
+        """Load on the calling thread (synchronous mode). Returns failed block ids.
+
+        ``deadline`` (monotonic) bounds this load together with the others of its
+        step; without it each backend call gets the full timeout."""
+        task = _Task("load", req_id, list(ops), after=after, deadline=deadline)
         self._execute(task)
         return task.failed
 
     def submit_load(
-        self, req_id: str, ops: Sequence[ChunkOp], *, layer: int | None = None, after: Callable | None = None
+        self,
+        req_id: str,
+        ops: Sequence[ChunkOp],
+        *,
+        layer: int | None = None,
+        after: Callable | None = None,
+        deadline: float | None = None,
     ) -> None:
-        task = _Task("load", req_id, list(ops), layer=layer, after=after)
+        task = _Task("load", req_id, list(ops), layer=layer, after=after, deadline=deadline)
         if layer is not None:
             with self._lock:
                 self._layer_tasks[layer].append(task)
@@ -198,7 +213,14 @@ class TransferEngine:
         with self._lock:
             tasks = self._layer_tasks.pop(layer, [])
         failed: set[int] = set()
-        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self._task_timeout(tasks))
+        if timeout_s is not None:
+            deadline = time.monotonic() + timeout_s
+        elif tasks and all(t.deadline is not None for t in tasks):
+            # The step's deadline bounds every layer's loads; allow the guard's
+            # grace and the hand-off from the load thread.
+            deadline = max(t.deadline for t in tasks) + GRACE_S + HANDOFF_S  # type: ignore[type-var]
+        else:
+            deadline = time.monotonic() + self._task_timeout(tasks)
         for t in tasks:
             if not t.done.wait(max(0.0, deadline - time.monotonic())):
                 log.warning("layer %d load of %s not done in time; marking its blocks failed", layer, t.req_id)
@@ -335,6 +357,12 @@ class TransferEngine:
             self._do_save(task)
         self._finish(task)
 
+    def _time_left(self, task: _Task) -> float:
+        """Seconds the task's next backend call may take: the timeout, capped by the step's deadline."""
+        if task.deadline is None:
+            return self.timeout_s
+        return min(self.timeout_s, task.deadline - time.monotonic())
+
     def _pipelined(self) -> bool:
         # Host staging and the bounce path copy around each call: keep them simple.
         return self.stager is None and not self.guard.overran
@@ -349,7 +377,7 @@ class TransferEngine:
         if ops:
             self.load_order.append([op.key for op in ops])
         if self.stagger_delay_s and self.stagger_index:
-            time.sleep(self.stagger_delay_s * self.stagger_index)
+            time.sleep(max(0.0, min(self.stagger_delay_s * self.stagger_index, self._time_left(task))))
         pipelined = self._pipelined()
         pending: tuple[list[ChunkOp], int, PendingCall, float] | None = None
         for batch in batches(ops, self._batch_limit(pipelined)):
@@ -359,20 +387,31 @@ class TransferEngine:
                 self._collect_load(task, *pending)
                 pending = None
             nbytes = sum(op.nbytes for op in batch)
-            if not self._budget.acquire(nbytes, self.timeout_s):
+            left = self._time_left(task)
+            if left <= 0 or not self._budget.acquire(nbytes, left):
+                # The step's time is spent: fail fast (recompute) instead of waiting again.
                 self._load_done(task, batch, [Status.TIMEOUT] * len(batch), 0.0)
                 continue
             t0 = time.perf_counter()
             if pipelined:
-                pending = (batch, nbytes, self.guard.submit_get([op.key for op in batch], regions), t0)
+                left = self._time_left(task)
+                if left <= 0:
+                    self._budget.release(nbytes)
+                    self._load_done(task, batch, [Status.TIMEOUT] * len(batch), 0.0)
+                    continue
+                pending = (batch, nbytes, self.guard.submit_get([op.key for op in batch], regions, left), t0)
                 continue
             try:
                 if self.stager is None:
-                    statuses = self._get(batch, regions)
-                else:
-                    with self._stage_locks["load"]:
-                        statuses = self._get(batch, self.stager.stage_in(batch))
+                    statuses = self._get(batch, regions, self._time_left(task))
+                elif self._stage_locks["load"].acquire(timeout=max(0.0, self._time_left(task))):
+                    try:
+                        statuses = self._get(batch, self.stager.stage_in(batch), self._time_left(task))
                         self.stager.commit_in(batch, [st is Status.OK for st in statuses])
+                    finally:
+                        self._stage_locks["load"].release()
+                else:
+                    statuses = [Status.TIMEOUT] * len(batch)
             finally:
                 self._budget.release(nbytes)
             self._load_done(task, batch, statuses, time.perf_counter() - t0)
@@ -409,10 +448,12 @@ class TransferEngine:
                     len(keys), ", ".join(keys[:4]) + (" ..." if len(keys) > 4 else ""))
         self.guard.remove(keys, self.timeout_s)
 
-    def _get(self, batch: list[ChunkOp], regions: list[list[Region]]) -> list[Status]:
+    def _get(self, batch: list[ChunkOp], regions: list[list[Region]], timeout_s: float | None = None) -> list[Status]:
         keys = [op.key for op in batch]
+        if timeout_s is not None and timeout_s <= 0:
+            return [Status.TIMEOUT] * len(batch)
         if not self.guard.overran:
-            return self.guard.get(keys, regions)
+            return self.guard.get(keys, regions, timeout_s)
         # The backend has overrun a deadline before: a call we stop waiting for
         # could still write later, into KV blocks vLLM may have reused. Read into
         # a private buffer and copy only what arrived in time; a buffer a stuck
@@ -424,7 +465,7 @@ class TransferEngine:
         for op in batch:
             bounce.append([Region(base + pos, op.nbytes)])
             pos += op.nbytes
-        statuses = self.guard.get(keys, bounce)
+        statuses = self.guard.get(keys, bounce, timeout_s)
         if any(s is Status.TIMEOUT for s in statuses) and self.guard.stuck_calls:
             self._graveyard.append(buf)
         elif not self.guard.stuck_calls:

@@ -1,7 +1,8 @@
 """Binary forms of the two GR value types.
 
-``token_id`` object: a 64-byte header then the user's history as int32 token
-ids, zero-padded to a size class. The backend contract reads an object only
+``token_id`` object: a 96-byte header then the user's history as int32 token
+ids, zero-padded to a size class. The header's tenant field is 32 bytes
+(NUL-padded), room for any ``tenant_id()``. The backend contract reads an object only
 into regions of exactly its size, and a reader does not know the stored length
 in advance, so lengths are bucketed into power-of-two classes: a reader tries
 the class of its own history first (the steady state: same history, same
@@ -21,11 +22,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-TOKEN_MAGIC = b"ASGRTOK1"
+TOKEN_MAGIC = b"ASGRTOK2"  # v1 held a 16-byte tenant: its records now read as a miss
 KV_MAGIC = b"ASGRKV01"
-_TOKEN_HDR = struct.Struct("<8sIIQdQ16s")  # magic n_tokens kv_blocks generation written_at kv_bytes tenant
+TENANT_BYTES = 32
+# magic n_tokens kv_blocks generation written_at kv_bytes tenant (72 bytes, the rest reserved)
+_TOKEN_HDR = struct.Struct(f"<8sIIQdQ{TENANT_BYTES}s")
 _KV_HDR = struct.Struct("<8sQIi")  # magic generation n_blocks layer (-1: all layers)
-TOKEN_HEADER_BYTES = 64
+TOKEN_HEADER_BYTES = 96
 KV_HEADER_BYTES = 32
 MIN_CLASS_TOKENS = 256
 TOKEN_DTYPE = np.int32
@@ -80,8 +83,8 @@ class TokenRecord:
             raise ValueError(f"capacity {cap} < {self.n_tokens} tokens")
         buf = np.zeros(token_object_bytes(cap), dtype=np.uint8)
         tenant = self.tenant.encode()
-        if len(tenant) > 16:
-            raise ValueError(f"tenant id {self.tenant!r} longer than 16 bytes")
+        if not tenant or len(tenant) > TENANT_BYTES or b"\0" in tenant:
+            raise ValueError(f"tenant id {self.tenant!r} must be 1-{TENANT_BYTES} bytes without NUL")
         _TOKEN_HDR.pack_into(
             buf, 0, TOKEN_MAGIC, self.n_tokens, self.kv_blocks, self.generation,
             self.written_at, self.kv_bytes, tenant,
@@ -100,8 +103,14 @@ class TokenRecord:
             raise RecordError(f"bad token record magic {magic!r}")
         if TOKEN_HEADER_BYTES + 4 * n > buf.nbytes:
             raise RecordError(f"token record claims {n} tokens, holds {(buf.nbytes - TOKEN_HEADER_BYTES) // 4}")
+        try:
+            tenant_text = tenant.rstrip(b"\0").decode("ascii")
+        except UnicodeDecodeError:
+            raise RecordError("token record tenant is not ASCII") from None
+        if not tenant_text:
+            raise RecordError("token record has no tenant")
         toks = buf[TOKEN_HEADER_BYTES:TOKEN_HEADER_BYTES + 4 * n].view(TOKEN_DTYPE).copy()
-        return cls(toks, kv_blocks, gen, written, kv_bytes, tenant.rstrip(b"\0").decode())
+        return cls(toks, kv_blocks, gen, written, kv_bytes, tenant_text)
 
     def with_tokens(self, n_tokens: int, written_at: float | None = None) -> TokenRecord:
         """The same KV object described by a shorter (or re-timestamped) history."""

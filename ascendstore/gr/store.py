@@ -12,6 +12,10 @@ hit refreshes them), a byte quota per user (a save keeps the leading blocks
 that fit) and per tenant (least-recently-used users of the tenant leave the
 pool first), delete of one user everywhere, and invalidation of the stale tail
 when a request shows a rewritten history.
+
+A user is a uid *of a tenant* (``tenant_id(cache_salt)``, ``-`` for none): the
+tenant is part of every user key, so the same uid under two tenants is two
+users that never share KV, and every method takes the tenant (default ``-``).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from ascendstore.gr.records import (
     token_object_bytes,
 )
 from ascendstore.gr.stats import GRStats
-from ascendstore.keys import UserKey
+from ascendstore.keys import NO_TENANT, UserKey, split_user_part
 
 log = logging.getLogger(__name__)
 
@@ -90,36 +94,42 @@ class _UserEntry:
 
 @dataclass
 class UserIndex:
-    """Users this process has seen in the pool, least recently used first.
+    """Users (uid of a tenant) this process has seen in the pool, least recently used first.
 
     Fed by lookups (records carry tenant and size) and saves, so an instance
     learns users written by others as requests for them arrive; with a
     listing backend it can be rebuilt from the pool (``UserStore.rebuild_index``).
     """
 
-    _users: OrderedDict[str, _UserEntry] = field(default_factory=OrderedDict)
+    _users: OrderedDict[tuple[str, str], _UserEntry] = field(default_factory=OrderedDict)  # (tenant, uid)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def touch(self, uid: str, tenant: str, nbytes: int, now: float) -> None:
         with self._lock:
-            self._users[uid] = _UserEntry(tenant, nbytes, now)
-            self._users.move_to_end(uid)
+            self._users[(tenant, uid)] = _UserEntry(tenant, nbytes, now)
+            self._users.move_to_end((tenant, uid))
 
-    def drop(self, uid: str) -> None:
+    def drop(self, uid: str, tenant: str = NO_TENANT) -> None:
         with self._lock:
-            self._users.pop(uid, None)
+            self._users.pop((tenant, uid), None)
 
     def tenant_bytes(self, tenant: str) -> int:
         with self._lock:
             return sum(e.nbytes for e in self._users.values() if e.tenant == tenant)
 
-    def lru(self, tenant: str | None = None) -> list[str]:
+    def lru(self, tenant: str) -> list[str]:
+        """The tenant's uids, least recently used first."""
         with self._lock:
-            return [u for u, e in self._users.items() if tenant is None or e.tenant == tenant]
+            return [u for (t, u) in self._users if t == tenant]
 
-    def get(self, uid: str) -> _UserEntry | None:
+    def users(self) -> list[tuple[str, str]]:
+        """Every known ``(uid, tenant)``, least recently used first."""
         with self._lock:
-            return self._users.get(uid)
+            return [(u, t) for (t, u) in self._users]
+
+    def get(self, uid: str, tenant: str = NO_TENANT) -> _UserEntry | None:
+        with self._lock:
+            return self._users.get((tenant, uid))
 
     def __len__(self) -> int:
         return len(self._users)
@@ -168,27 +178,27 @@ class UserStore:
         self._scratch: np.ndarray | None = None
 
     # -- keys ---------------------------------------------------------------------
-    def token_key(self, uid: str, rank: int) -> str:
-        return UserKey(uid, self.model, self.world_size, rank, "token_id").text()
+    def token_key(self, uid: str, rank: int, tenant: str = NO_TENANT) -> str:
+        return UserKey(uid, self.model, self.world_size, rank, "token_id", tenant=tenant).text()
 
-    def kv_keys(self, uid: str, rank: int) -> list[str]:
-        base = UserKey(uid, self.model, self.world_size, rank, "kv_cache")
+    def kv_keys(self, uid: str, rank: int, tenant: str = NO_TENANT) -> list[str]:
+        base = UserKey(uid, self.model, self.world_size, rank, "kv_cache", tenant=tenant)
         if not self.layerwise:
             return [base.text()]
-        return [UserKey(uid, self.model, self.world_size, rank, "kv_cache", layer).text()
+        return [UserKey(uid, self.model, self.world_size, rank, "kv_cache", layer, tenant).text()
                 for layer in range(self.num_layers)]
 
-    def user_keys(self, uid: str) -> list[str]:
+    def user_keys(self, uid: str, tenant: str = NO_TENANT) -> list[str]:
         keys = []
         for rank in range(self.world_size):
-            keys.append(self.token_key(uid, rank))
-            keys.extend(self.kv_keys(uid, rank))
+            keys.append(self.token_key(uid, rank, tenant))
+            keys.extend(self.kv_keys(uid, rank, tenant))
         return keys
 
     # -- scheduler side: one read per request ---------------------------------------
-    def read_records(self, uid: str, history_len: int) -> list[TokenRecord | None]:
+    def read_records(self, uid: str, history_len: int, tenant: str = NO_TENANT) -> list[TokenRecord | None]:
         """Every rank's token record (None where absent, unreadable or failing)."""
-        keys = [self.token_key(uid, r) for r in range(self.world_size)]
+        keys = [self.token_key(uid, r, tenant) for r in range(self.world_size)]
         out: list[TokenRecord | None] = [None] * len(keys)
         pending = list(range(len(keys)))
         for cap in class_search_order(history_len, self.max_history_tokens):
@@ -212,28 +222,38 @@ class UserStore:
             pending = still
         return out
 
-    def lookup(self, uid: str, history: Sequence[int] | np.ndarray) -> UserHit:
-        """How many leading tokens of ``history`` the pool serves for ``uid``.
+    def lookup(self, uid: str, history: Sequence[int] | np.ndarray, tenant: str = NO_TENANT) -> UserHit:
+        """How many leading tokens of ``history`` the pool serves for ``uid`` of ``tenant``.
 
         Side effects are the lifecycle ones: an expired user is deleted, a
         rewritten history has its stale tail cut from the records, a hit
         refreshes the TTL clock when it is half spent.
         """
         hist = np.asarray(history, dtype=np.int64)
-        records = self.read_records(uid, hist.shape[0])
+        records = self.read_records(uid, hist.shape[0], tenant)
         now = self.clock()
         if not all(records):
             return UserHit(uid, 0, tuple(records))
         recs = [r for r in records if r is not None]
+        miss = UserHit(uid, 0, (None,) * self.world_size)
+        if any(r.tenant != tenant for r in recs):
+            # The key names the tenant, so this is a foreign or corrupt record: never
+            # serve it, and leave it alone (it may be another tenant's data).
+            log.warning("GR user %s: record of tenant %r under tenant %r's key; treating as a miss",
+                        uid, next(r.tenant for r in recs if r.tenant != tenant), tenant)
+            return miss
+        if any(r.n_tokens > r.kv_blocks * self.block_size for r in recs):
+            log.warning("GR user %s: record describes more tokens than its KV object; treating as a miss", uid)
+            return miss
         ttl = self.config.ttl_s
         if ttl and any(now - r.written_at > ttl for r in recs):
             self.stats.add(expired=1)
-            self.delete_user(uid, everywhere=False)
-            return UserHit(uid, 0, (None,) * self.world_size)
-        if self.caps.evicts and not self._kv_present(uid):
+            self.delete_user(uid, everywhere=False, tenant=tenant)
+            return miss
+        if self.caps.evicts and not self._kv_present(uid, tenant):
             # the store dropped a KV object by itself: the records are now lies
-            self._remove([self.token_key(uid, r) for r in range(self.world_size)])
-            return UserHit(uid, 0, (None,) * self.world_size)
+            self._remove([self.token_key(uid, r, tenant) for r in range(self.world_size)])
+            return miss
         bs = self.block_size
         prefixes = [common_prefix(r.tokens, hist) for r in recs]
         hit = (min(prefixes) // bs) * bs
@@ -243,22 +263,22 @@ class UserStore:
             # everyone. Keep the common, block-aligned prefix (same KV object).
             self.stats.add(invalidations=1)
             if hit == 0:
-                self.delete_user(uid, everywhere=False)
+                self.delete_user(uid, everywhere=False, tenant=tenant)
                 return UserHit(uid, 0, (None,) * self.world_size, rewritten=True)
             recs = [r.with_tokens(hit) for r in recs]
-            self._write_records(uid, recs)
+            self._write_records(uid, recs, tenant)
         elif ttl and hit and any(now - r.written_at > ttl / 2 for r in recs):
             recs = [r.with_tokens(r.n_tokens, written_at=now) for r in recs]
-            self._write_records(uid, recs)
-        self.index.touch(uid, recs[0].tenant, sum(r.kv_bytes for r in recs), now)
+            self._write_records(uid, recs, tenant)
+        self.index.touch(uid, tenant, sum(r.kv_bytes for r in recs), now)
         return UserHit(uid, hit, tuple(recs), rewritten=rewritten)
 
-    def _kv_present(self, uid: str) -> bool:
-        keys = [k for r in range(self.world_size) for k in self.kv_keys(uid, r)]
+    def _kv_present(self, uid: str, tenant: str) -> bool:
+        keys = [k for r in range(self.world_size) for k in self.kv_keys(uid, r, tenant)]
         return all(s is Status.OK for s in self.backend.exists(keys, self.timeout_s))
 
-    def _write_records(self, uid: str, recs: Sequence[TokenRecord]) -> None:
-        keys = [self.token_key(uid, r) for r in range(len(recs))]
+    def _write_records(self, uid: str, recs: Sequence[TokenRecord], tenant: str) -> None:
+        keys = [self.token_key(uid, r, tenant) for r in range(len(recs))]
         bufs = [self._record_buffer(uid, rank, r) for rank, r in enumerate(recs)]
         if not self.caps.overwrite_on_put:
             self._remove(keys)
@@ -279,15 +299,15 @@ class UserStore:
         if nbytes > quota:
             self.stats.add(quota_skips=1)
             return False
-        cur = self.index.get(uid)
-        used = self.index.tenant_bytes(tenant) - (cur.nbytes if cur and cur.tenant == tenant else 0)
+        cur = self.index.get(uid, tenant)
+        used = self.index.tenant_bytes(tenant) - (cur.nbytes if cur else 0)
         for victim in self.index.lru(tenant):
             if used + nbytes <= quota:
                 break
             if victim == uid or victim in protect:
                 continue
-            entry = self.index.get(victim)
-            self.delete_user(victim, everywhere=False)
+            entry = self.index.get(victim, tenant)
+            self.delete_user(victim, everywhere=False, tenant=tenant)
             used -= entry.nbytes if entry else 0
             self.stats.add(quota_evictions=1)
         if used + nbytes > quota:
@@ -301,7 +321,7 @@ class UserStore:
         uid: str,
         tokens: Sequence[int] | np.ndarray,
         layer_blocks: Sequence[Sequence[BlockSpan]],
-        tenant: str = "-",
+        tenant: str = NO_TENANT,
     ) -> Status:
         """Write this rank's KV of the user's history, then its token record.
 
@@ -332,10 +352,10 @@ class UserStore:
             return Status.NO_SPACE if quota else Status.INVALID
         n_tokens = n_blocks * self.block_size
         generation = secrets.randbits(63)
-        token_key = self.token_key(uid, self.worker_id)
+        token_key = self.token_key(uid, self.worker_id, tenant)
         # Invalidate first: while the KV is being replaced no reader may trust the old record.
         self._remove([token_key])
-        keys = self.kv_keys(uid, self.worker_id)
+        keys = self.kv_keys(uid, self.worker_id, tenant)
         headers: list[np.ndarray] = []
         regions: list[list[Region]] = []
         if self.layerwise:
@@ -372,6 +392,7 @@ class UserStore:
         kv_blocks: int,
         layer_blocks: Sequence[Sequence[BlockSpan | None]],
         layers: Sequence[int] | None = None,
+        tenant: str = NO_TENANT,
     ) -> Status:
         """Read this rank's KV object(s) of ``uid`` into ``layer_blocks``.
 
@@ -382,7 +403,7 @@ class UserStore:
         """
         if len(layer_blocks) == 0 or kv_blocks == 0:
             return Status.OK
-        keys = self.kv_keys(uid, self.worker_id)
+        keys = self.kv_keys(uid, self.worker_id, tenant)
         headers: list[np.ndarray] = []
         regions: list[list[Region]] = []
 
@@ -431,24 +452,26 @@ class UserStore:
             if s not in (Status.OK, Status.NOT_FOUND):
                 log.warning("GR remove %s: %s", k, s.name)
 
-    def forget_record(self, uid: str) -> None:
+    def forget_record(self, uid: str, tenant: str = NO_TENANT) -> None:
         """Drop this rank's token record (its KV proved unreadable): lookups miss until
         the next save."""
-        self._remove([self.token_key(uid, self.worker_id)])
+        self._remove([self.token_key(uid, self.worker_id, tenant)])
 
-    def delete_user(self, uid: str, everywhere: bool = True) -> int:
-        """Remove the user's objects: of every model and deployment shape when
-        ``everywhere`` (by key prefix, where the backend can), else this store's.
-        Returns how many objects were removed."""
+    def delete_user(self, uid: str, everywhere: bool = True, tenant: str = NO_TENANT) -> int:
+        """Remove user ``uid`` of ``tenant`` (other tenants' users of that uid stay):
+        its objects of every model and deployment shape when ``everywhere`` (by key
+        prefix, where the backend can), else this store's. Returns how many objects
+        were removed."""
         uid = check_uid(uid)
-        self.index.drop(uid)
+        prefix = UserKey.user_prefix(uid, tenant)  # validates the tenant
+        self.index.drop(uid, tenant)
         if everywhere:
             self.stats.add(deleted_users=1)
         if everywhere and self.caps.remove_by_prefix:
-            st, n = self.backend.remove_prefix(UserKey.user_prefix(uid), self.timeout_s)
+            st, n = self.backend.remove_prefix(prefix, self.timeout_s)
             if st is Status.OK:
                 return n
-        keys = self.user_keys(uid)
+        keys = self.user_keys(uid, tenant)
         return sum(s is Status.OK for s in self.backend.remove(keys, self.timeout_s))
 
     def sweep_expired(self) -> int:
@@ -458,17 +481,18 @@ class UserStore:
             return 0
         now = self.clock()
         gone = 0
-        for uid in self.known_users():
-            records = self.read_records(uid, 0)
+        for uid, tenant in self.known_users():
+            records = self.read_records(uid, 0, tenant)
             times = [r.written_at for r in records if r is not None]
             if times and now - min(times) > ttl:
-                self.delete_user(uid, everywhere=False)
+                self.delete_user(uid, everywhere=False, tenant=tenant)
                 self.stats.add(expired=1)
                 gone += 1
         return gone
 
-    def known_users(self) -> list[str]:
-        """Users of this model: from the pool where it can list keys, else the index."""
+    def known_users(self) -> list[tuple[str, str]]:
+        """``(uid, tenant)`` of this model's users: from the pool where it can list
+        keys, else the index."""
         if self.caps.listing:
             suffix = f"@{self.model}@{self.world_size}@0@token_id"
             users = set()
@@ -476,22 +500,25 @@ class UserStore:
             try:
                 for key in lister("", limit=1 << 30):
                     if key.endswith(suffix):
-                        users.add(key[: -len(suffix)])
+                        try:
+                            users.add(split_user_part(key[: -len(suffix)]))
+                        except ValueError:
+                            continue  # not a user key of ours
             except NotImplementedError:
                 pass
             else:
                 return sorted(users)
-        return self.index.lru()
+        return self.index.users()
 
     def rebuild_index(self) -> int:
         """Refill the user index from the pool (listing backends); returns users found."""
         n = 0
-        for uid in self.known_users():
-            recs = self.read_records(uid, 0)
-            if all(recs):
+        for uid, tenant in self.known_users():
+            recs = self.read_records(uid, 0, tenant)
+            if all(recs) and all(r.tenant == tenant for r in recs if r):
                 r0 = recs[0]
                 assert r0 is not None
-                self.index.touch(uid, r0.tenant, sum(r.kv_bytes for r in recs if r), r0.written_at)
+                self.index.touch(uid, tenant, sum(r.kv_bytes for r in recs if r), r0.written_at)
                 n += 1
         return n
 

@@ -109,11 +109,12 @@ class AscendStoreConnector(KVConnectorBase_V1):
             self.gr.request_finished(request)
         return self.scheduler.request_finished(request, block_ids)
 
-    def delete_user(self, uid: str) -> int:
-        """GR: delete a user's KV from the pool and this engine's device."""
+    def delete_user(self, uid: str, cache_salt: str | None = None) -> int:
+        """GR: delete a user's KV from the pool and this engine's device (user ``uid``
+        of ``cache_salt``'s tenant; None: the default tenant)."""
         if self.gr is None:
             raise RuntimeError("delete_user needs gr.enabled")
-        return self.gr.delete_user(uid)
+        return self.gr.delete_user(uid, cache_salt)
 
     def take_events(self):
         return self.scheduler.take_events() if self.scheduler is not None else ()

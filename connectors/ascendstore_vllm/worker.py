@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
@@ -215,16 +216,21 @@ class AscendStoreWorker:
         if meta is None or not meta.loads or self.layout is None:
             return
         layerwise = self.ctx.config.use_layerwise
+        # One deadline for the step, shared by all its loads (and, layerwise, all
+        # its layers): a slow or hung store costs a step one timeout, not one per
+        # request or per layer. Async loads do not hold the step up: their own.
+        deadline = time.monotonic() + self.ctx.config.timeout_ms / 1000
         for spec in meta.loads:
             if layerwise:
                 for layer in range(self.layout.num_layers):
                     self.engine.submit_load(spec.req_id, self._ops(spec, layer), layer=layer,
-                                            after=self._after_load(spec))
+                                            after=self._after_load(spec), deadline=deadline)
             elif spec.is_async:
                 self._async_loads.add(spec.req_id)
                 self.engine.submit_load(spec.req_id, self._ops(spec, None), after=self._after_load(spec))
             else:
-                failed = self.engine.load_now(spec.req_id, self._ops(spec, None), after=self._after_load(spec))
+                failed = self.engine.load_now(spec.req_id, self._ops(spec, None), after=self._after_load(spec),
+                                              deadline=deadline)
                 self._load_errors |= failed
         if not layerwise:
             # Sync loads are done; async ones are collected by get_finished.

@@ -334,3 +334,29 @@ def test_layerwise_user_objects(pool, engines):
     b.run()
     assert b.first_schedule("b1") == (HIST, CAND)
     assert_kv_exact(b, "b1", p)
+
+
+def test_salted_users_pool_and_delete_per_tenant(pool, engines):
+    """A GR user is a uid of a tenant (cache_salt): salted users are saved and served
+    from the pool, and delete_user(uid, cache_salt) removes that tenant's user only."""
+    from ascendstore.keys import UserKey
+
+    a = engines(spec(pool))
+    fields = {"uid": "u1", "candidate_num": CAND}
+    prompt = history("u1") + candidates(1)
+    for rid, salt in (("plain", None), ("acme", "acme")):
+        a.add_request(rid, prompt, max_tokens=1, cache_salt=salt, extra_args=fields)
+    a.run()
+    assert gr_stats(a)["saves"] == 2
+    assert a.connector.delete_user("u1", cache_salt="acme") >= 2
+    keys = [k for k in a.connector.gr.store.backend.backend.list_keys("") if not k.startswith("as1@")]
+    assert keys and {UserKey.parse(k).tenant for k in keys} == {"-"}, keys
+    b = engines(spec(pool))  # a fresh device: only the pool can serve
+    p2 = history("u1") + candidates(2)
+    for rid, salt in (("plain2", None), ("acme2", "acme"), ("globex2", "globex")):
+        b.add_request(rid, p2, max_tokens=1, cache_salt=salt, extra_args=fields)
+        b.run()
+    assert b.first_schedule("plain2") == (HIST, CAND)
+    assert b.first_schedule("acme2") == (0, HIST + CAND) and b.first_schedule("globex2") == (0, HIST + CAND)
+    for rid in ("plain2", "acme2", "globex2"):
+        assert_kv_exact(b, rid, p2)

@@ -445,6 +445,13 @@ class MooncakeBackend(Backend):
             return Health(Status.UNAVAILABLE, {**detail, "reason": "closed"})
         if outcome is Outcome.TIMEOUT:
             return Health(Status.TIMEOUT, {**detail, "reason": "health_check did not answer"})
+        if code == 0:
+            # The client learns of a dead master only after several missed pings;
+            # a refused connection to the master's port is a faster, surer sign.
+            try:
+                _probe_master(self.options.master_server_address, min(timeout_s, 0.5))
+            except BackendSetupError:
+                code = 2
         detail["mooncake_health"] = _HEALTH_CODES.get(code, str(code))
         return Health(Status.OK if code == 0 else Status.UNAVAILABLE, detail)
 

@@ -65,9 +65,10 @@ class AscendStoreGRConnector(KVConnectorBase_V1):
         self.gr.request_finished(request)
         return False, None  # saves complete inside the step that planned them
 
-    def delete_user(self, uid: str) -> int:
-        """Delete a user's KV from the pool (every model) and this engine's device."""
-        return self.gr.delete_user(uid)
+    def delete_user(self, uid: str, cache_salt: str | None = None) -> int:
+        """Delete a user's KV from the pool (every model) and this engine's device.
+        The user is ``uid`` of ``cache_salt``'s tenant (None: the default tenant)."""
+        return self.gr.delete_user(uid, cache_salt)
 
     # -- worker side ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 from ascendstore.config import GRConfig
 from ascendstore.contract import Region, Status
 from ascendstore.gr import GRInputError, GRRequest, GRStats, UserHit, UserStore, parse_gr_request
+from ascendstore.keys import NO_TENANT, tenant_id
 from ascendstore_vllm.gr.user_lru import UserKVLRU
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class GRLoad:
     generations: list[int]  # per rank: the record the hit was computed from
     kv_blocks: int  # blocks in the stored object
     block_ids: list[int]  # per object block: device block to fill, -1 to skip
+    tenant: str = NO_TENANT  # the user's tenant (part of its keys)
 
 
 @dataclass
@@ -147,7 +149,7 @@ class GRSchedulerHooks:
         if st.history == 0:
             return 0, False
         hist = request.prompt_token_ids[: st.history]
-        st.hit = self.store.lookup(st.gr.uid, hist)
+        st.hit = self.store.lookup(st.gr.uid, hist, tenant=st.gr.tenant)
         # save unless the pool already serves this whole history (a stored history that
         # this one is a prefix of is kept: requests may send shorter windows of it)
         st.save_needed = st.hit.hit_tokens < st.history
@@ -178,8 +180,8 @@ class GRSchedulerHooks:
         block_ids = self._kcm.get_block_ids(request.request_id)[0]
         first, end = st.local // bs, (st.local + num_external_tokens) // bs
         targets = [block_ids[i] if first <= i < end else -1 for i in range(kv_blocks)]
-        self._loads.append(GRLoad(request.request_id, st.gr.uid,
-                                  [r.generation for r in recs], kv_blocks, targets))  # type: ignore[union-attr]
+        self._loads.append(GRLoad(request.request_id, st.gr.uid, [r.generation for r in recs],  # type: ignore[union-attr]
+                                  kv_blocks, targets, st.gr.tenant))
 
     def build_plan(self, scheduler_output: Any) -> GRPlan:
         plan = GRPlan(loads=self._loads)
@@ -209,12 +211,17 @@ class GRSchedulerHooks:
         self._reqs.pop(request.request_id, None)
         self._warned.discard(request.request_id)
 
-    def delete_user(self, uid: str) -> int:
+    def delete_user(self, uid: str, cache_salt: str | None = None) -> int:
         """Delete a user's KV everywhere: the pool (every model and shape) and this
-        engine's device prefix cache (when the user LRU is on)."""
+        engine's device prefix cache (when the user LRU is on).
+
+        The user is ``uid`` of the tenant of ``cache_salt`` (None: the engine's
+        default tenant, as for a request without a salt); the same uid under
+        other tenants keeps its pool KV."""
+        tenant = tenant_id(cache_salt or self.default_tenant)
         if self.lru is not None:
-            self.lru.evict_user(uid)
-        return self.store.delete_user(uid)
+            self.lru.evict_user(uid)  # the device LRU tracks uids (any tenant): a device-side drop only
+        return self.store.delete_user(uid, tenant=tenant)
 
 
 # -- worker side ---------------------------------------------------------------------
@@ -251,7 +258,8 @@ class GRWorkerHooks:
             by_block = {b: i for i, b in enumerate(wanted)}
             layer_blocks = [[layer[by_block[b]] if b >= 0 else None for b in ld.block_ids] for layer in regions]
             try:
-                st = self.store.load_kv(ld.uid, ld.generations[rank], ld.kv_blocks, layer_blocks)
+                st = self.store.load_kv(ld.uid, ld.generations[rank], ld.kv_blocks, layer_blocks,
+                                        tenant=ld.tenant)
             except Exception:  # a bug must not take the engine down: recompute instead
                 log.exception("GR swap-in of user %s failed", ld.uid)
                 st = Status.INVALID
@@ -265,7 +273,7 @@ class GRWorkerHooks:
                 if st in (Status.NOT_FOUND, Status.CORRUPT, Status.INVALID):
                     # the record promised KV that is not (or no longer) there: drop it, so the
                     # next lookup misses and that request saves the history again
-                    self.store.forget_record(ld.uid)
+                    self.store.forget_record(ld.uid, ld.tenant)
         return failed
 
     def save(self, plan: GRPlan) -> None:

@@ -126,9 +126,10 @@ class GRAttachment:
         if self.sched is not None:
             self.sched.request_finished(request)
 
-    def delete_user(self, uid: str) -> int:
+    def delete_user(self, uid: str, cache_salt: str | None = None) -> int:
+        """Delete user ``uid`` of ``cache_salt``'s tenant (None: the default tenant)."""
         assert self.sched is not None
-        return self.sched.delete_user(uid)
+        return self.sched.delete_user(uid, cache_salt)
 
     # -- worker side ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], staging: Any = None) -> None:
