@@ -154,7 +154,8 @@ def user_part(uid: str, tenant: str = NO_TENANT) -> str:
     if tenant == NO_TENANT:
         return uid
     if not _TENANT.fullmatch(tenant):
-        raise ValueError(f"tenant {tenant!r} must be {NO_TENANT!r} or 1-32 chars of [A-Za-z0-9] (see tenant_id)")
+        raise ValueError(f"tenant {tenant!r} must be {NO_TENANT!r} or 1-32 chars of [A-Za-z0-9] "
+                         "(see tenant_id)")
     return f"{tenant}{TENANT_SEP}{uid}"
 
 

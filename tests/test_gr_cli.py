@@ -50,7 +50,8 @@ def test_pool_rm_user_of_a_tenant_leaves_the_same_uid_of_other_tenants():
         for tenant in ("-", tenant_id("acme"), tenant_id("globex")):
             assert s.save_kv("u1", hist, dev.regions(range(4)), tenant=tenant).name == "OK"
         common = ["--backend", "local", "--backend-config", json.dumps(opts)]
-        res = CliRunner().invoke(get_app(), ["pool", "rm", "--user", "u1", "--tenant", "acme", "--yes", *common])
+        args = ["pool", "rm", "--user", "u1", "--tenant", "acme", "--yes", *common]
+        res = CliRunner().invoke(get_app(), args)
         assert res.exit_code == 0 and "removed 2 key(s)" in res.output, res.output
         left = sorted(backend.list_keys(""))
         assert not [k for k in left if k.startswith(UserKey.user_prefix("u1", tenant_id("acme")))]

@@ -239,10 +239,11 @@ def test_tenant_quota_evicts_least_recently_used_users_of_that_tenant(backend):
         clock.t += 1
         s.save_kv(uid, hist, dev.regions(range(4)), tenant=tenant)
     clock.t += 1
-    assert s.lookup("a1", hist, tenant="tA").hit_tokens == 16  # a1 now most recent: a2 is the tenant's LRU user
+    assert s.lookup("a1", hist, tenant="tA").hit_tokens == 16  # a1 most recent: a2 is the tenant's LRU user
     assert s.make_room("a3", "tA", per_user)
     assert s.lookup("a2", hist, tenant="tA").hit_tokens == 0
-    assert s.lookup("a1", hist, tenant="tA").hit_tokens == 16 and s.lookup("b1", hist, tenant="tB").hit_tokens == 16
+    assert s.lookup("a1", hist, tenant="tA").hit_tokens == 16
+    assert s.lookup("b1", hist, tenant="tB").hit_tokens == 16
     # protected (running) users are never evicted; then there is no room
     assert not s.make_room("a4", "tA", 2 * per_user, protect={"a1"})
     assert not s.make_room("a5", "tA", 3 * per_user)

@@ -41,7 +41,9 @@ UserOpt = Annotated[
 ]
 TenantOpt = Annotated[
     str | None,
-    typer.Option("--tenant", help="tenant salt (vLLM cache_salt): its chunk keys, or with --user its GR user"),
+    typer.Option(
+        "--tenant", help="tenant salt (vLLM cache_salt): its chunk keys, or with --user its GR user"
+    ),
 ]
 
 

@@ -119,6 +119,10 @@ class BackendGuard:
     def submit_put(self, keys: Sequence[str], regions: Sequence[Sequence[Region]]) -> PendingCall:
         return self._submit("put", len(keys), (list(keys), regions), None)
 
+    def submit_remove(self, keys: Sequence[str]) -> PendingCall:
+        """Start a remove nobody needs to wait for (e.g. dropping a corrupt object)."""
+        return self._submit("remove", len(keys), (list(keys),), None)
+
     def _check(self, op: str, result: Any, n: int) -> list[Status]:
         try:
             # A dict lookup per key: Status(s) costs ~0.4 us each, which adds up on

@@ -446,7 +446,8 @@ class TransferEngine:
         self.metrics.add(load_corrupt=len(keys))
         log.warning("pool returned %d corrupt object(s), removing them (recomputed): %s",
                     len(keys), ", ".join(keys[:4]) + (" ..." if len(keys) > 4 else ""))
-        self.guard.remove(keys, self.timeout_s)
+        # Off the load path: a synchronous step must not wait for the repair.
+        self.guard.submit_remove(keys)
 
     def _get(self, batch: list[ChunkOp], regions: list[list[Region]], timeout_s: float | None = None) -> list[Status]:
         keys = [op.key for op in batch]

@@ -243,7 +243,8 @@ class UserStore:
                         uid, next(r.tenant for r in recs if r.tenant != tenant), tenant)
             return miss
         if any(r.n_tokens > r.kv_blocks * self.block_size for r in recs):
-            log.warning("GR user %s: record describes more tokens than its KV object; treating as a miss", uid)
+            log.warning("GR user %s: record describes more tokens than its KV object; treating as a miss",
+                        uid)
             return miss
         ttl = self.config.ttl_s
         if ttl and any(now - r.written_at > ttl for r in recs):

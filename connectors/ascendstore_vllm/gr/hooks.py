@@ -180,8 +180,8 @@ class GRSchedulerHooks:
         block_ids = self._kcm.get_block_ids(request.request_id)[0]
         first, end = st.local // bs, (st.local + num_external_tokens) // bs
         targets = [block_ids[i] if first <= i < end else -1 for i in range(kv_blocks)]
-        self._loads.append(GRLoad(request.request_id, st.gr.uid, [r.generation for r in recs],  # type: ignore[union-attr]
-                                  kv_blocks, targets, st.gr.tenant))
+        generations = [r.generation for r in recs]  # type: ignore[union-attr]
+        self._loads.append(GRLoad(request.request_id, st.gr.uid, generations, kv_blocks, targets, st.gr.tenant))
 
     def build_plan(self, scheduler_output: Any) -> GRPlan:
         plan = GRPlan(loads=self._loads)
