@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 
 Hook = Callable[[], None]
 
-#: batch size when building regions overlaps the previous batch's copy.
-PIPELINE_BYTES = 16 << 20
+#: batch size when building regions overlaps the previous batch's copy. Large:
+#: each batch costs a thread hand-off, and the connector caches region lists.
+PIPELINE_BYTES = 64 << 20
 #: allowance for a load thread to hand a finished task to the forward pass.
 HANDOFF_S = 0.05
 

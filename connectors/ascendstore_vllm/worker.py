@@ -36,6 +36,10 @@ _new = object.__new__
 _set = object.__setattr__
 
 
+#: bound on cached region lists (a few MB at most; cleared whole when full)
+REGION_CACHE_ENTRIES = 1 << 16
+
+
 def _region(addr: int, length: int) -> Region:
     # Region is a frozen slots dataclass; its validating __init__ costs ~1us, a
     # visible share of a transfer's host time. Values here come from vLLM's
@@ -102,6 +106,7 @@ class AscendStoreWorker:
         self.staging: HostStaging | None = None
         self.sync: DeviceSync | None = None
         self._scratch: torch.Tensor | None = None
+        self._region_cache: dict[tuple[tuple[int, ...], int | None], list[Region]] = {}
         self._geom: tuple[tuple[int, int, tuple[tuple[int, int], ...], int], ...] = ()
         self._layer_bytes: list[int] = []
         self._chunk_bytes = 0
@@ -139,6 +144,7 @@ class AscendStoreWorker:
             ]
         )
         self._geom = tuple((lay.base, lay.block_stride, lay.runs, lay.num_blocks) for lay in self.layout.layers)
+        self._region_cache.clear()
         self._layer_bytes = [lay.block_bytes for lay in self.layout.layers]
         self._chunk_bytes = sum(self._layer_bytes)
         # Room for one block of any layer: the landing spot for chunk blocks the
@@ -159,6 +165,18 @@ class AscendStoreWorker:
 
     # -- plan -> ops -------------------------------------------------------------------
     def _regions(self, block_ids: list[int], layer: int | None) -> list[Region]:
+        """Regions of a chunk object, cached: vLLM reuses a bounded set of block
+        ids, so the same few lists serve every transfer (the lists are never mutated)."""
+        key = (tuple(block_ids), layer)
+        regions = self._region_cache.get(key)
+        if regions is None:
+            regions = self._build_regions(block_ids, layer)
+            if len(self._region_cache) >= REGION_CACHE_ENTRIES:
+                self._region_cache.clear()
+            self._region_cache[key] = regions
+        return regions
+
+    def _build_regions(self, block_ids: list[int], layer: int | None) -> list[Region]:
         """Regions of a chunk object: every layer (or one), each block in order.
 
         On the hot path of every transfer: plain loops over precomputed
