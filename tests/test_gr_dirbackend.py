@@ -1,9 +1,9 @@
 """A small directory-backed backend for the GR tests (one file per key).
 
 Real files, real byte copies through ctypes, the contract's statuses and size
-rule (a get into regions of the wrong total size is INVALID). Used until the
-embedded ``local`` backend lands; the tests at the bottom pin the behaviour the
-GR store relies on so a swap to ``local`` keeps the same meaning.
+rule (a get into regions of the wrong total size is INVALID), plus a byte
+capacity the quota tests need. The GR store tests run on it and on ``local``;
+the tests at the bottom pin the behaviour the GR store relies on.
 """
 
 from __future__ import annotations
