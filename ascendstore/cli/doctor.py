@@ -138,6 +138,23 @@ def round_trip(checks: Checks, backend: Backend, timeout_s: float, size: int = 6
             step("unregister", backend.unregister, src_regions + dst_regions)
 
 
+def check_gr(checks: Checks, cfg: AscendStoreConfig) -> None:
+    """GR mode: on with which device-side user LRU, or off (and what that means for GR traffic)."""
+    gr = cfg.gr
+    if gr.enabled:
+        lru = (
+            f"user LRU on (max_resident_users={gr.max_resident_users or 'unlimited'}, "
+            f"min_free_blocks={gr.min_free_blocks})" if gr.user_lru else "user LRU off"
+        )
+        checks.ok("GR mode", f"on (AscendStoreConnector): user-granular pool for requests with a uid; {lru}")
+    else:
+        checks.note(
+            "GR mode is off (gr.enabled=false): requests carrying uid / user_history_len are pooled "
+            "block-wise by the chunk pool, candidates included (AscendStoreGRConnector is always GR); "
+            "set gr.enabled=true for the user-granular pool (docs/gr-mode.md)"
+        )
+
+
 def run_doctor(cfg: AscendStoreConfig) -> int:
     checks = Checks()
     checks.ok(
@@ -145,6 +162,7 @@ def run_doctor(cfg: AscendStoreConfig) -> int:
         f"backend={cfg.backend!r}, timeout_ms={cfg.timeout_ms}"
         + (f", config_file={cfg.config_file!r}" if cfg.config_file else ""),
     )
+    check_gr(checks, cfg)
     check_backends(checks, cfg.backend)
     if checks.failed:
         return _summary(checks)

@@ -146,16 +146,16 @@ def test_device_eviction_then_swap_in_and_running_user_kept(pool, engines):
         ask(e, f"{uid}-1", uid, cand=i)
         while f"{uid}-1" not in e.finished:
             e.step()
-    assert list(lru.users)[0] == "u1" and lru.running_users() == {"u1"}  # least recent, but running
+    assert list(lru.users)[0] == ("-", "u1") and lru.running_users() == {("-", "u1")}  # least recent, but running
     # pressure: an ordinary long prompt needs more blocks than the unowned free ones
     pool_ = e.scheduler.kv_cache_manager.block_pool
-    unowned = pool_.get_num_free_blocks() - 6 * len([u for u in lru.resident_users() if u != "u1"]) - 6
+    unowned = pool_.get_num_free_blocks() - 6 * len([u for _, u in lru.resident_users() if u != "u1"]) - 6
     filler = np.random.default_rng(1).integers(10, 900, (unowned + 2) * BS - 8).tolist()
     e.add_request("filler", filler)
     while "filler" not in e.finished:
         e.step()
     st = gr_stats(e)
-    assert st["lru_evictions"] >= 1 and "u2" not in lru.resident_users()
+    assert st["lru_evictions"] >= 1 and ("-", "u2") not in lru.resident_users()
     assert device_hit(e, history("u1", 0) + candidates(9)) == HIST  # the running user's idle history stayed
     assert "u1-long" not in e.finished
     # u2 comes back: device miss, the pool swaps its history in
@@ -360,3 +360,29 @@ def test_salted_users_pool_and_delete_per_tenant(pool, engines):
     assert b.first_schedule("acme2") == (0, HIST + CAND) and b.first_schedule("globex2") == (0, HIST + CAND)
     for rid in ("plain2", "acme2", "globex2"):
         assert_kv_exact(b, rid, p2)
+
+
+def test_device_lru_keeps_tenants_apart(pool, engines):
+    """The device-side user LRU keys users by (tenant, uid): deleting user u1 of one
+    tenant drops that tenant's device copy only; u1 of the other tenant stays cached."""
+    e = engines(spec(pool))  # the user LRU is on by default
+    lru = e.connector.gr.sched.lru
+    assert lru is not None
+    fields = {"uid": "u1", "candidate_num": CAND}
+    prompt = history("u1") + candidates(1)
+    for rid, salt in (("plain", None), ("acme", "acme")):
+        e.add_request(rid, prompt, max_tokens=1, cache_salt=salt, extra_args=fields)
+    e.run()
+    acme = next(t for t, u in lru.resident_users() if t != "-")
+    assert sorted(lru.resident_users()) == sorted([("-", "u1"), (acme, "u1")])
+    e.connector.delete_user("u1", cache_salt="acme")
+    assert lru.resident_users() == [("-", "u1")]
+    assert device_hit(e, prompt) == HIST  # the unsalted user's history is still on the device
+    # the salted user's history is gone from the device and from the pool: a miss
+    p = ask(e, "acme2", "u1", cand=2)
+    e.run()
+    e.add_request("acme3", prompt[:HIST] + candidates(3), max_tokens=1, cache_salt="acme", extra_args=fields)
+    e.run()
+    assert e.first_schedule("acme3") == (0, HIST + CAND)
+    assert e.first_schedule("acme2") == (HIST, CAND)
+    assert_kv_exact(e, "acme2", p)
