@@ -386,3 +386,112 @@ def test_device_lru_keeps_tenants_apart(pool, engines):
     assert e.first_schedule("acme3") == (0, HIST + CAND)
     assert e.first_schedule("acme2") == (HIST, CAND)
     assert_kv_exact(e, "acme2", p)
+
+
+class HostAllocs:
+    """Bytes of new CPU tensors created by torch factory ops inside ``with`` (this thread)."""
+
+    FACTORIES = ("empty", "zeros", "ones", "full", "new_", "_pin_memory", "clone", "_to_copy")
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                import torch
+
+                out = func(*args, **(kwargs or {}))
+                name = func.overloadpacket.__name__
+                if name.startswith(outer.FACTORIES) and isinstance(out, torch.Tensor) and out.device.type == "cpu":
+                    outer.bytes += out.untyped_storage().nbytes()
+                return out
+
+        self.bytes = 0
+        self.mode = Mode
+
+    def wrap(self, obj, name: str) -> None:
+        fn = getattr(obj, name)
+
+        def counted(*a, **kw):
+            with self.mode():
+                return fn(*a, **kw)
+
+        setattr(obj, name, counted)
+
+
+def test_gr_staging_is_bounded_while_the_kv_cache_is_many_times_larger(pool, engines, monkeypatch):
+    """A backend that cannot read device memory gets user objects through bounded host
+    staging (staging_buffer_bytes per direction), not a host copy of the whole KV cache."""
+    from ascendstore_vllm.gr import wiring
+
+    monkeypatch.setattr(wiring.GRAttachment, "force_staging", True)  # the device path, on CPU KV
+    staging = 32 << 10
+    allocs = HostAllocs()
+    real_register = wiring.GRAttachment.register_kv_caches
+
+    def register(self, kv_caches):
+        with allocs.mode():
+            real_register(self, kv_caches)
+        for name in ("start_load", "save", "get_finished"):
+            allocs.wrap(self, name)
+
+    monkeypatch.setattr(wiring.GRAttachment, "register_kv_caches", register)
+    s = spec(pool, num_blocks=2048, extra={"staging_buffer_bytes": staging})
+    a = engines(s)
+    kv_bytes = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in a.workers[0].kv_caches.values()}.values())
+    assert kv_bytes >= 64 * 2 * staging
+    assert a.workers[0].connector.gr.staging is not None
+    ask(a, "a1", "u1", cand=1)
+    a.run()
+    b = engines(s)  # a fresh device: the pool swaps the history in through the staging
+    p = ask(b, "b1", "u1", cand=2)
+    b.run()
+    assert b.first_schedule("b1") == (HIST, CAND)
+    assert_kv_exact(b, "b1", p)
+    st = gr_stats(b)
+    assert (st["swapin_attempts"], st["swapin_successes"]) == (1, 1)
+    # two engines, each: two staging buffers, plus small per-transfer scratch
+    assert 0 < allocs.bytes <= 2 * (2 * staging) + (64 << 10), (allocs.bytes, kv_bytes)
+
+
+def test_lora_and_multimodal_gr_requests_are_refused_clearly(pool, engines, caplog):
+    """User keys carry neither the adapter nor the images: such GR requests are not
+    pooled per user (vLLM's block hashes, which include both, serve them)."""
+    from types import SimpleNamespace
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    e = engines(spec(pool))
+    fields = {"uid": "u1", "candidate_num": CAND}
+    prompt = history("u1") + candidates(1)
+
+    def req(rid: str, **attrs) -> Request:
+        r = Request(rid, prompt, SamplingParams(max_tokens=1, extra_args=fields), None,
+                    block_hasher=e.block_hasher)
+        for k, v in attrs.items():
+            setattr(r, k, v)
+        return r
+
+    assert e.connector.gr.claims(req("plain"))
+    with caplog.at_level("WARNING"):
+        assert not e.connector.gr.claims(req("lora", lora_request=SimpleNamespace(lora_name="ad1")))
+        assert not e.connector.gr.claims(req("mm", mm_features=[SimpleNamespace(identifier="img")]))
+    assert "LoRA adapter 'ad1'" in caplog.text and "multimodal inputs" in caplog.text
+    assert e.connector.gr.stats.snapshot()["refused_inputs"] == 2
+
+
+def test_gr_fields_without_gr_mode_are_reported_once(pool, engines, caplog, connector_kind):
+    if connector_kind == "gr":
+        pytest.skip("AscendStoreGRConnector is always in GR mode")
+    s = spec(pool)
+    s.extra_config["gr"] = {"enabled": False}
+    e = engines(s)
+    with caplog.at_level("WARNING", logger="ascendstore_vllm.gr.wiring"):
+        for k in range(3):
+            ask(e, f"r{k}", "u1", cand=k)
+            e.run()
+    lines = [r for r in caplog.records if "gr.enabled is off" in r.getMessage()]
+    assert len(lines) == 1 and "candidates included" in lines[0].getMessage()
