@@ -495,3 +495,112 @@ def test_gr_fields_without_gr_mode_are_reported_once(pool, engines, caplog, conn
             e.run()
     lines = [r for r in caplog.records if "gr.enabled is off" in r.getMessage()]
     assert len(lines) == 1 and "candidates included" in lines[0].getMessage()
+
+
+class GatedGets:
+    """Holds the worker's KV-object reads until ``open()``; notes the threads they ran on."""
+
+    def __init__(self, guard, delay_s: float = 0.0) -> None:
+        import random
+        import threading
+
+        self.gate = threading.Event()
+        self.threads: list[str] = []
+        self.real = guard.get
+        self.delay_s = delay_s
+        self.rng = random.Random()
+
+        def get(keys, regions, timeout_s=None, *a, **kw):
+            if any("@kv_cache" in k for k in keys):
+                self.threads.append(threading.current_thread().name)
+                if threading.current_thread() is not threading.main_thread():
+                    assert self.gate.wait(30), "gate never opened"
+                if self.delay_s:
+                    import time
+
+                    time.sleep(self.rng.uniform(0, self.delay_s))
+            return self.real(keys, regions, timeout_s, *a, **kw)
+
+        guard.get = get
+
+    def open(self) -> None:
+        self.gate.set()
+
+
+def test_async_swap_in_overlaps_the_forward(pool, engines):
+    """With load_async the swap-in runs on a transfer thread: the step goes on (other
+    requests compute) while the pool read is held, the GR request waits in
+    WAITING_FOR_REMOTE_KVS, and its KV lands byte-exact once the read completes."""
+    from vllm.v1.request import RequestStatus
+
+    s = spec(pool, extra={"load_async": True})
+    a = engines(s)
+    ask(a, "a1", "u1", cand=1)
+    a.run()
+    b = engines(s)
+    gate = GatedGets(b.workers[0].connector.gr.store.backend)
+    p = ask(b, "b1", "u1", cand=2)
+    other = ask(b, "b2", "u2", cand=3)  # a miss: computes while u1's history is in flight
+    for _ in range(3):
+        b.step()
+    assert b.scheduler.requests["b1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert "b2" in b.finished  # the engine kept computing while the swap-in was held
+    assert gate.threads and "MainThread" not in gate.threads, gate.threads
+    gate.open()
+    b.run()
+    assert b.first_schedule("b1") == (HIST, CAND)
+    assert_kv_exact(b, "b1", p)
+    assert_kv_exact(b, "b2", other)
+    st = gr_stats(b)
+    assert (st["dram_hits"], st["swapin_attempts"], st["swapin_successes"]) == (1, 1, 1)
+
+
+def test_async_swap_in_aborted_while_loading_keeps_its_blocks(pool, engines):
+    """An aborted request's blocks stay allocated until its swap-in has stopped
+    writing them (finished_sending), so no later request reads bytes it landed."""
+    s = spec(pool, num_blocks=40, max_model_len=256, extra={"load_async": True})
+    a = engines(s)
+    ask(a, "a1", "u1", cand=1)
+    a.run()
+    b = engines(s)
+    gate = GatedGets(b.workers[0].connector.gr.store.backend)
+    ask(b, "b1", "u1", cand=2)
+    b.step()
+    held = b.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    b.abort("b1")
+    for _ in range(3):
+        b.step()
+    assert b.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == held  # not freed yet
+    gate.open()
+    b.run()
+    # the blocks came back; other users fill the device and read only their own KV
+    for k, uid in enumerate(["u2", "u3", "u4"]):
+        p = ask(b, f"c{k}", uid, cand=k)
+        b.run()
+        assert_kv_exact(b, f"c{k}", p)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_async_swap_ins_under_random_delays(pool, engines, seed):
+    """Many users, async swap-ins with random pool delays: every history byte-exact."""
+    s = spec(pool, num_blocks=96, extra={"load_async": True})
+    a = engines(s)
+    users = [f"u{i}" for i in range(6)]
+    for i, uid in enumerate(users):
+        ask(a, f"a{i}", uid, cand=i)
+    a.run()
+    b = engines(s)
+    gate = GatedGets(b.workers[0].connector.gr.store.backend, delay_s=0.01)
+    gate.open()
+    rng = np.random.default_rng(seed)
+    prompts = {}
+    for k in range(12):
+        uid = users[int(rng.integers(len(users)))]
+        prompts[f"b{k}"] = ask(b, f"b{k}", uid, cand=100 + k)
+        if rng.random() < 0.5:
+            b.step()
+    b.run()
+    for rid, p in prompts.items():
+        assert_kv_exact(b, rid, p)
+    st = gr_stats(b)
+    assert st["swapin_successes"] == st["swapin_attempts"] >= 1
