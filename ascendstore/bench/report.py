@@ -224,8 +224,7 @@ def build_report(
 
 
 #: GR counters every user-granular report carries (zeros included), in this order.
-GR_REPORTED = (*SEED_COUNTERS, "device_hits", "hit_tokens_device", "hit_tokens_pool", "saves", "refused_inputs",
-               "invalid_inputs")
+GR_REPORTED = (*SEED_COUNTERS, "device_hits", "hit_tokens_device", "hit_tokens_pool", "saves", "invalid_inputs")
 
 
 def gr_counters(connector_stats: dict[str, float]) -> dict[str, int]:

@@ -35,7 +35,6 @@ class GRStats:
     quota_skips: int = 0  # saves skipped because the quota left no room
     deleted_users: int = 0
     invalid_inputs: int = 0  # GR requests with unusable fields (served as ordinary requests)
-    refused_inputs: int = 0  # GR requests with a LoRA adapter or multimodal inputs (served as ordinary)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: int) -> None:

@@ -456,31 +456,48 @@ def test_gr_staging_is_bounded_while_the_kv_cache_is_many_times_larger(pool, eng
     assert 0 < allocs.bytes <= 2 * (2 * staging) + (64 << 10), (allocs.bytes, kv_bytes)
 
 
-def test_lora_and_multimodal_gr_requests_are_refused_clearly(pool, engines, caplog):
-    """User keys carry neither the adapter nor the images: such GR requests are not
-    pooled per user (vLLM's block hashes, which include both, serve them)."""
+def test_adapter_and_multimodal_identity_are_part_of_the_user_keys(pool, engines):
+    """KV computed under a LoRA adapter or with images is keyed by them too: the same
+    uid and token ids under another adapter (or none, or another image) miss, the same
+    adapter hits and swaps in byte-exact."""
     from types import SimpleNamespace
 
+    from vllm.lora.request import LoRARequest
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
-    e = engines(spec(pool))
-    fields = {"uid": "u1", "candidate_num": CAND}
-    prompt = history("u1") + candidates(1)
+    from ascendstore.keys import UserKey
 
-    def req(rid: str, **attrs) -> Request:
-        r = Request(rid, prompt, SamplingParams(max_tokens=1, extra_args=fields), None,
-                    block_hasher=e.block_hasher)
-        for k, v in attrs.items():
-            setattr(r, k, v)
+    fields = {"uid": "u1", "candidate_num": CAND}
+
+    def req(e, rid: str, cand: int, **kw) -> Request:
+        prompt = history("u1") + candidates(cand)
+        r = Request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True, extra_args=fields), None,
+                    block_hasher=e.block_hasher, **kw)
+        e.tokens[rid], e.prompt_len[rid] = list(prompt), len(prompt)
         return r
 
-    assert e.connector.gr.claims(req("plain"))
-    with caplog.at_level("WARNING"):
-        assert not e.connector.gr.claims(req("lora", lora_request=SimpleNamespace(lora_name="ad1")))
-        assert not e.connector.gr.claims(req("mm", mm_features=[SimpleNamespace(identifier="img")]))
-    assert "LoRA adapter 'ad1'" in caplog.text and "multimodal inputs" in caplog.text
-    assert e.connector.gr.stats.snapshot()["refused_inputs"] == 2
+    ad1 = LoRARequest("ad1", 1, "/adapters/ad1")
+    a = engines(spec(pool))
+    a.scheduler.add_request(req(a, "a1", 1, lora_request=ad1))
+    a.run()
+    keys = [k for k in a.connector.gr.store.backend.backend.list_keys("") if not k.startswith("as1@")]
+    assert keys and all(UserKey.parse(k).model.endswith("+" + keys[0].split("+")[1].split("@")[0]) for k in keys)
+
+    b = engines(spec(pool))  # a fresh device: only the pool could serve
+    sched = b.connector.gr.sched
+    plain = req(b, "p", 2)
+    other = req(b, "o", 2, lora_request=LoRARequest("ad2", 2, "/adapters/ad2"))
+    moved = req(b, "m", 2, lora_request=LoRARequest("ad1", 1, "/adapters/ad1-retrained"))
+    image = req(b, "i", 2, lora_request=ad1)
+    image.mm_features = [SimpleNamespace(identifier="img-7", mm_position=SimpleNamespace(offset=4))]
+    for r in (plain, other, moved, image):
+        assert sched.get_num_new_matched_tokens(r, 0) == (0, False), r.request_id
+    b.scheduler.add_request(req(b, "b1", 3, lora_request=ad1))
+    b.run()
+    assert b.first_schedule("b1") == (HIST, CAND)
+    assert_kv_exact(b, "b1", history("u1") + candidates(3))
+    assert gr_stats(b)["dram_hits"] == 1
 
 
 def test_gr_fields_without_gr_mode_are_reported_once(pool, engines, caplog, connector_kind):

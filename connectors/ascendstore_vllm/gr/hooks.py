@@ -16,6 +16,7 @@ path. Only the user-history part is ever pooled, never the candidates.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,6 +41,7 @@ class GRLoad:
     kv_blocks: int  # blocks in the stored object
     block_ids: list[int]  # per object block: device block to fill, -1 to skip
     tenant: str = NO_TENANT  # the user's tenant (part of its keys)
+    variant: str = ""  # adapter / multimodal identity (part of its keys)
 
 
 @dataclass
@@ -49,6 +51,7 @@ class GRSave:
     tenant: str
     tokens: list[int]  # the block-aligned history
     block_ids: list[int]  # its device blocks
+    variant: str = ""  # adapter / multimodal identity (part of its keys)
 
 
 @dataclass
@@ -70,19 +73,28 @@ class _ReqState:
     save_needed: bool = False
     save_planned: bool = False
     counted: bool = False
+    #: adapter / multimodal identity of the history's KV ("" for none): part of the user keys
+    variant: str = ""
 
 
-def unsupported_identity(request: Any) -> str | None:
-    """Why a request's KV is not determined by its token ids alone (None: it is).
-
-    A LoRA adapter or multimodal inputs change the KV of the same token ids; the
-    user keys carry neither, so GR mode refuses the user pool for such requests."""
+def kv_identity(request: Any, history_len: int) -> str:
+    """What besides the token ids decides the KV of a request's history: the LoRA
+    adapter (name and path, as vLLM's block hashes name it) and the multimodal
+    inputs inside the history (vLLM's content hash and position). ``""`` for a
+    plain request; else a short digest that the user keys carry (``UserStore.with_variant``),
+    so KV computed under another adapter or image is never served for the same tokens."""
+    parts: list[str] = []
     lora = getattr(request, "lora_request", None)
     if lora is not None:
-        return f"uses LoRA adapter {getattr(lora, 'lora_name', lora)!r}"
-    if getattr(request, "mm_features", None):
-        return "has multimodal inputs"
-    return None
+        parts.append(f"lora:{getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_path', '')}")
+    for f in getattr(request, "mm_features", None) or ():
+        pos = getattr(f, "mm_position", None)
+        offset = int(getattr(pos, "offset", 0)) if pos is not None else 0
+        if offset < history_len:
+            parts.append(f"mm:{getattr(f, 'identifier', None) or getattr(f, 'mm_hash', '')}:{offset}")
+    if not parts:
+        return ""
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 # -- scheduler side ------------------------------------------------------------------
@@ -149,22 +161,10 @@ class GRSchedulerHooks:
             return None
         if gr is None or request.prompt_token_ids is None:
             return None  # ordinary request (or prompt embeddings: no token ids to key on)
-        why = unsupported_identity(request)
-        if why is not None:
-            # User keys name the uid and the model, not the adapter or the images: KV
-            # computed under another adapter or image would be served for the same token
-            # ids. Refuse the user pool for it (vLLM's block hashes, which the chunk pool
-            # and the device prefix cache use, do include both).
-            if rid not in self._warned:
-                self._warned.add(rid)
-                self.stats.add(refused_inputs=1)
-                log.warning("GR request %s (uid %s) %s: GR mode does not pool it per user; served as an "
-                            "ordinary request (block hashes include the adapter and the inputs)",
-                            rid, gr.uid, why)
-            return None
         # vLLM recomputes at least the last prompt token, and pools whole blocks.
         usable = min(gr.history_len, request.num_prompt_tokens - 1)
-        st = _ReqState(gr, max(0, usable) // self.block_size * self.block_size, request)
+        history = max(0, usable) // self.block_size * self.block_size
+        st = _ReqState(gr, history, request, variant=kv_identity(request, history))
         self._reqs[rid] = st
         return st
 
@@ -180,7 +180,7 @@ class GRSchedulerHooks:
         if st.history == 0:
             return 0, False
         hist = request.prompt_token_ids[: st.history]
-        st.hit = self.store.lookup(st.gr.uid, hist, tenant=st.gr.tenant)
+        st.hit = self.store.with_variant(st.variant).lookup(st.gr.uid, hist, tenant=st.gr.tenant)
         # save unless the pool already serves this whole history (a stored history that
         # this one is a prefix of is kept: requests may send shorter windows of it)
         st.save_needed = st.hit.hit_tokens < st.history
@@ -217,7 +217,8 @@ class GRSchedulerHooks:
         first, end = st.local // bs, (st.local + num_external_tokens) // bs
         targets = [block_ids[i] if first <= i < end else -1 for i in range(kv_blocks)]
         generations = [r.generation for r in recs]  # type: ignore[union-attr]
-        self._loads.append(GRLoad(request.request_id, st.gr.uid, generations, kv_blocks, targets, st.gr.tenant))
+        self._loads.append(GRLoad(request.request_id, st.gr.uid, generations, kv_blocks, targets, st.gr.tenant,
+                                  st.variant))
 
     def build_plan(self, scheduler_output: Any) -> GRPlan:
         plan = GRPlan(loads=self._loads)
@@ -236,7 +237,7 @@ class GRSchedulerHooks:
                 continue  # full tenant quota: skip the write (a future miss, never an error)
             block_ids = self._kcm.get_block_ids(rid)[0][: st.history // self.block_size]
             plan.saves.append(GRSave(rid, st.gr.uid, st.gr.tenant,
-                                     list(req.prompt_token_ids[: st.history]), list(block_ids)))
+                                     list(req.prompt_token_ids[: st.history]), list(block_ids), st.variant))
         return plan
 
     def _running_users(self, tenant: str) -> set[str]:
@@ -353,9 +354,10 @@ class GRWorkerHooks:
         by_block = {b: i for i, b in enumerate(wanted)}
         layer_blocks = [[layer[by_block[b]] if b >= 0 else None for b in ld.block_ids] for layer in regions]
         rank = self.store.worker_id
+        store = self.store.with_variant(ld.variant)
 
         def read(spans: Any) -> Status:
-            return self.store.load_kv(ld.uid, ld.generations[rank], ld.kv_blocks, spans, tenant=ld.tenant)
+            return store.load_kv(ld.uid, ld.generations[rank], ld.kv_blocks, spans, tenant=ld.tenant)
 
         try:
             st = read(layer_blocks) if self.staging is None else self.staging.load(layer_blocks, read)
@@ -370,7 +372,7 @@ class GRWorkerHooks:
         if st in (Status.NOT_FOUND, Status.CORRUPT, Status.INVALID):
             # the record promised KV that is not (or no longer) there: drop it, so the
             # next lookup misses and that request saves the history again
-            self.store.forget_record(ld.uid, ld.tenant)
+            store.forget_record(ld.uid, ld.tenant)
         return set(wanted)
 
     # -- saves -------------------------------------------------------------------------
@@ -382,7 +384,7 @@ class GRWorkerHooks:
             assert self.block_regions is not None, "register_kv_caches first"
 
             def write(spans: Any, sv: GRSave = sv) -> Status:
-                return self.store.save_kv(sv.uid, sv.tokens, spans, tenant=sv.tenant)
+                return self.store.with_variant(sv.variant).save_kv(sv.uid, sv.tokens, spans, tenant=sv.tenant)
 
             try:
                 regions = self.block_regions(sv.block_ids)

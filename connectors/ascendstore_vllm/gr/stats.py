@@ -22,7 +22,6 @@ _HELP = {
     "invalidations": "GR stored histories cut back after a rewrite",
     "expired": "GR users dropped for TTL",
     "invalid_inputs": "GR requests with unusable GR fields (served as ordinary requests)",
-    "refused_inputs": "GR requests with a LoRA adapter or multimodal inputs (not pooled per user)",
 }
 COUNTERS = tuple(GRStats().snapshot())
 #: GR counters inside another connector's stats dict carry this prefix
