@@ -44,9 +44,8 @@ def _extra(backend: str, address: str | None) -> dict:
 
 def measure(backend: str, mode: str, requests: int, address: str | None) -> dict:
     import vllm.v1.core.sched.scheduler as sched_mod
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-
     from ascendstore_vllm.testing import EngineHarness, EngineSpec
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
     plain = sched_mod.Scheduler
     sched_mod.Scheduler = AsyncScheduler  # the harness builds "Scheduler": make it vLLM's async one
