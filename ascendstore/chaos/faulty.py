@@ -240,6 +240,8 @@ class FaultyBackend(Backend):
         self, op: str, keys: Sequence[str], regions: Sequence[Sequence[Region]] | None, timeout_s: float
     ) -> list[Status]:
         n = len(keys)
+        # Decided when the call starts: faults may be switched off while it hangs.
+        garbage = op == "get" and self.options.late_garbage and bool(self.options.hang_s.get("get", 0.0))
         early, left = self._enter(op, n, timeout_s)
         if early is not None:
             return early
@@ -262,7 +264,7 @@ class FaultyBackend(Backend):
             self._after_put(keys, regions, idx, out)
         elif op == "get":
             self._after_get(regions, idx, out)
-            if self.options.late_garbage and self.options.hang_s.get("get", 0.0):
+            if garbage:
                 assert regions is not None
                 self.injected["late_garbage"] += 1
                 for i in idx:

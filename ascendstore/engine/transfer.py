@@ -49,6 +49,18 @@ MAX_RETIRED_BUFFERS = 4
 #: default bytes of queued saves per rank (a step's saves are admitted whole).
 SAVE_QUEUE_BYTES = 1 << 30
 
+#: memory lent to calls still running when their engine shut down (buffers,
+#: vLLM's KV tensors), kept alive until those calls end: a late write into freed
+#: memory would corrupt the heap. Pruned whenever any engine reaps.
+_LINGER: list[tuple[object, Release]] = []
+_LINGER_LOCK = threading.Lock()
+
+
+def _prune_linger() -> None:
+    if _LINGER:
+        with _LINGER_LOCK:
+            _LINGER[:] = [(obj, r) for obj, r in _LINGER if not r()]
+
 
 class Stager(Protocol):
     """Moves KV between memory the backend cannot read (device) and host buffers.
@@ -431,6 +443,7 @@ class TransferEngine:
 
     def _reap(self) -> None:
         """Finish held saves and free retired buffers whose late calls have ended."""
+        _prune_linger()
         if not self._held and not self._retired:
             return
         with self._lock:
@@ -728,8 +741,11 @@ class TransferEngine:
                     # Nobody drains them (events off): keep memory bounded.
                     del self._stored_keys[: 1 << 15]
 
-    def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Finish queued saves (bounded), then stop the threads."""
+    def shutdown(self, timeout_s: float = 5.0, keepalive: object = None) -> None:
+        """Finish queued saves (bounded), then stop the threads.
+
+        ``keepalive`` (e.g. vLLM's KV tensors) outlives this engine while a late
+        put may still read it; retired buffers likewise."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             reqs = list(self._pending["save"])
@@ -737,3 +753,15 @@ class TransferEngine:
         self._stop.set()
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        self._reap()
+        with self._lock:
+            lingering = list(self._retired)
+            releases = [r for t in self._held for r in t.held]
+            self._retired, self._held = [], []
+        if releases:
+            lingering.append((keepalive, lambda: all(r() for r in releases)))
+        if lingering:
+            log.warning("%d backend call(s) still running at shutdown; their memory is kept until they end",
+                        len(lingering))
+            with _LINGER_LOCK:
+                _LINGER.extend(lingering)

@@ -107,6 +107,7 @@ class AscendStoreWorker:
         )
         self.keys = ctx.key_builder()
         self.layout: KVLayout | None = None
+        self._kv_caches: dict[str, torch.Tensor] | None = None
         self.staging: HostStaging | None = None
         self.sync: DeviceSync | None = None
         self._scratch: torch.Tensor | None = None
@@ -139,6 +140,7 @@ class AscendStoreWorker:
     # -- registration ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = list(kv_caches.values())
+        self._kv_caches = kv_caches  # kept alive past shutdown while a late put may read them
         device = tensors[0].device
         caps = self.guard.capabilities
         self.sync = DeviceSync(device)
@@ -259,7 +261,10 @@ class AscendStoreWorker:
         for spec in meta.loads:
             if spec.is_async:
                 self._async_loads.add(spec.req_id)
-                self.engine.submit_load(spec.req_id, self._ops(spec, None), after=self._after_load(spec))
+                # Its own deadline from now: a load queued behind slow ones fails
+                # fast (recompute) instead of holding its request's blocks longer.
+                self.engine.submit_load(spec.req_id, self._ops(spec, None), after=self._after_load(spec),
+                                        deadline=time.monotonic() + self.ctx.config.timeout_ms / 1000)
             else:
                 failed = self.engine.load_now(spec.req_id, self._ops(spec, None), after=self._after_load(spec),
                                               deadline=deadline)
@@ -364,5 +369,5 @@ class AscendStoreWorker:
     def shutdown(self) -> None:
         if self._server is not None:
             self._server.close()
-        self.engine.shutdown(timeout_s=self.ctx.config.timeout_ms / 1000)
+        self.engine.shutdown(timeout_s=self.ctx.config.timeout_ms / 1000, keepalive=self._kv_caches)
         self.guard.close()
