@@ -87,13 +87,16 @@ class Capabilities:
     #: characters allowed in keys besides ASCII letters and digits.
     key_extra_chars: str = "@._:-/=+"
     #: every call returns by itself within about ``timeout_s`` (plus the time to
-    #: copy its bytes) and is done with its regions when it returns, e.g. an
-    #: in-process store whose lock waits honour the deadline. The engine then
-    #: never abandons a call, so it lets calls read and write vLLM's KV blocks
-    #: directly. False (the safe default): a call may outlive its deadline, so
-    #: loads land in connector-owned buffers and the blocks a put reads stay
-    #: held until the put has really ended (docs/failure-semantics.md).
+    #: copy its bytes). The engine then calls it on its own threads without a
+    #: watchdog and never abandons a call. False (the safe default): the engine's
+    #: guard runs calls on spare threads and stops waiting at the deadline.
     bounded_calls: bool = False
+    #: on a timeout the backend may return while its library call goes on with
+    #: the call's regions (answer ``quiescent()`` False until it ends). The
+    #: engine lets calls use vLLM's KV blocks directly only when ``bounded_calls``
+    #: and not this; otherwise loads land in connector-owned buffers
+    #: (docs/failure-semantics.md).
+    detaches_calls: bool = False
 
 
 @dataclass

@@ -8,11 +8,13 @@ and carries on (recompute). A call that never returns keeps its thread; once
 of piling up more threads, so nothing in the engine ever waits forever.
 
 A call the guard stopped waiting for may still read or write the memory it was
-given. ``hold_for`` tells the caller until when that memory is not its own:
-the transfer engine keeps such buffers (and, for puts, vLLM's blocks) out of
-use until the call has really ended. Backends that declare ``bounded_calls``
-return by themselves within their timeout; they run on the caller's thread and
-are never abandoned, so their calls may use vLLM's blocks directly.
+given, and so may a backend's own library call it gave up waiting for
+(``detaches_calls``, ``quiescent()``). ``hold_for`` tells the caller until when
+that memory is not its own: the transfer engine keeps such buffers (and, for
+puts, vLLM's blocks) out of use until the call has really ended. Backends that
+declare ``bounded_calls`` return by themselves within their timeout: they run
+on the caller's thread and are never abandoned; if they also never detach a
+call (``direct``), their calls may use vLLM's blocks directly.
 """
 
 from __future__ import annotations
@@ -71,8 +73,11 @@ class BackendGuard:
         # One spare thread per possible stuck call plus the working ones.
         self._pool = ThreadPoolExecutor(max_workers=max_stuck + 4, thread_name_prefix=name)
         self._closed = False
+        caps = backend.capabilities
         #: the backend returns by itself in time: call it on the caller's thread, never abandon it.
-        self.inline = bool(backend.capabilities.bounded_calls)
+        self.inline = bool(caps.bounded_calls)
+        #: ... and is done with a call's memory when it returns: it may use vLLM's blocks.
+        self.direct = self.inline and not caps.detaches_calls
 
     @property
     def capabilities(self):
@@ -143,7 +148,7 @@ class BackendGuard:
         fut = call.fut
         if call.overran and fut is not None:
             return lambda: fut.done() and backend.quiescent()
-        if not self.inline and Status.TIMEOUT in statuses and not backend.quiescent():
+        if not self.direct and Status.TIMEOUT in statuses and not backend.quiescent():
             # The backend answered in time but left a native call running.
             return backend.quiescent
         return None

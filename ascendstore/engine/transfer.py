@@ -9,8 +9,8 @@ written by one rank of a replica group (the caller filters with ReplicaGroup).
 Every wait here is bounded.
 
 Ownership: once vLLM has a block back, no backend call may touch it. With a
-backend that declares ``bounded_calls`` calls are never abandoned, so they use
-vLLM's blocks directly. Otherwise loads land in connector-owned buffers
+backend that declares ``bounded_calls`` (and not ``detaches_calls``) calls are
+never abandoned, so they use vLLM's blocks directly. Otherwise loads land in connector-owned buffers
 (``HostBounce`` or the device stager's host buffers) and are copied into the
 blocks only after the call returned in time; a buffer whose call overran is
 retired until the call really ends. A put reads vLLM's blocks (or a staging
@@ -248,7 +248,7 @@ class TransferEngine:
         self.stager = stager
         # Landing buffer for loads when the backend may write after its deadline
         # and there is no device stager (host KV).
-        self._bounce = None if guard.inline else HostBounce(PIPELINE_BYTES)
+        self._bounce = None if guard.direct else HostBounce(PIPELINE_BYTES)
         # One staging buffer per direction; sync loads share the load one.
         self._stage_locks = {"load": threading.Lock(), "save": threading.Lock()}
         self.metrics = guard.metrics

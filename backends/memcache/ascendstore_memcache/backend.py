@@ -282,6 +282,10 @@ class MemcacheBackend(GvaFlow, Backend):
             needs_registration=False,
             scheduler_client=True,
             empty_objects=False,
+            # Native calls run under the backend's own deadline (it returns in
+            # time) but may go on after a timeout: see quiescent().
+            bounded_calls=True,
+            detaches_calls=True,
             max_key_bytes=MAX_KEY_BYTES,
             max_object_bytes=1 << 30,
         )
