@@ -205,3 +205,29 @@ def test_layer_saves_share_one_exists_per_step():
     assert [c[0] for c in be.calls] == ["exists", "put", "put"]
     assert be.calls[1][1] == ["k0"] and be.calls[2][1] == ["k2", "k3"]
     eng.shutdown()
+
+
+def test_layerwise_chunk_with_a_failed_layer_is_removed_whole():
+    """A chunk whose layer 1 failed to save is never a hit (lookups need every
+    layer): the layers this step did store are removed, not left as dead weight."""
+    from ascendstore.engine import SharedExists
+
+    be = MemBackend()
+    eng = TransferEngine(BackendGuard(be, 1.0))
+    src = torch.arange(64, dtype=torch.uint8)
+    layer_ops = [
+        [ChunkOp(f"L{layer}-c{i}", [Region(src.data_ptr() + i * 16, 16)], [i], i, layer) for i in range(2)]
+        for layer in range(2)
+    ]
+    be.fail_puts.add("L1-c1")  # chunk 1 loses its second layer
+    shared = SharedExists([op.key for ops in layer_ops for op in ops], num_layers=2)
+    for layer, ops in enumerate(layer_ops):
+        eng.submit_save("r", ops, layer=layer, shared_exists=shared)
+    assert eng.wait("save", ["r"], 5)
+    deadline = time.monotonic() + 5
+    while "L0-c1" in be.data and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "L0-c0" in be.data and "L1-c0" in be.data, "the whole chunk 0 stays"
+    assert "L0-c1" not in be.data and "L1-c1" not in be.data, "chunk 1 is gone whole"
+    assert eng.metrics.totals()["save_partial_removed"] == 1
+    eng.shutdown()

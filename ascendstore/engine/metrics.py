@@ -29,6 +29,7 @@ COUNTERS: tuple[str, ...] = (
     "save_dropped_queue_full",
     "save_dropped_late",
     "save_held_late",
+    "save_partial_removed",
     "load_buffers_retired",
     "save_no_space",
     "timeouts",

@@ -133,13 +133,17 @@ class HostBounce:
 
 
 class SharedExists:
-    """One batched exists for keys saved by several tasks (layerwise: every
-    layer's objects of a step), asked by the first task that needs it."""
+    """State shared by one step's layerwise saves: one batched exists for every
+    layer's objects (asked by the first task that needs it), and each chunk's
+    per-layer outcomes, so a chunk is never left with some layers stored."""
 
-    def __init__(self, keys: Sequence[str]) -> None:
+    def __init__(self, keys: Sequence[str], num_layers: int = 0) -> None:
         self.keys = list(keys)
+        self.num_layers = num_layers
         self._present: set[str] | None = None
         self._lock = threading.Lock()
+        #: (request, chunk index) -> [layers settled, layers failed, keys we stored]
+        self._chunks: dict[tuple[str, int], list] = {}
 
     def present(self, guard: BackendGuard) -> set[str]:
         with self._lock:
@@ -147,6 +151,26 @@ class SharedExists:
                 statuses = guard.exists(self.keys)
                 self._present = {k for k, s in zip(self.keys, statuses, strict=True) if s is Status.OK}
             return self._present
+
+    def settle(self, req_id: str, ops: Sequence[ChunkOp], landed: Sequence[bool], stored: Sequence[bool]) -> list[str]:
+        """Record one layer's outcome per chunk; returns keys to remove: the layers
+        this step stored of chunks whose other layers failed (never a hit, only
+        wasted pool space)."""
+        if not self.num_layers:
+            return []
+        drop: list[str] = []
+        with self._lock:
+            for op, ok, put in zip(ops, landed, stored, strict=True):
+                st = self._chunks.setdefault((req_id, op.chunk_index), [0, 0, []])
+                st[0] += 1
+                st[1] += not ok
+                if put:
+                    st[2].append(op.key)
+                if st[0] == self.num_layers:
+                    if st[1]:
+                        drop.extend(st[2])
+                    del self._chunks[(req_id, op.chunk_index)]
+        return drop
 
 
 @dataclass
@@ -668,6 +692,19 @@ class TransferEngine:
         if task.before is not None:
             task.before()
         ops = task.ops
+        landed: dict[int, bool] = {}  # id(op) -> in the pool after this task
+        stored: set[int] = set()  # id(op) put by this task
+        try:
+            self._save_ops(task, ops, landed, stored)
+        finally:
+            if task.shared_exists is not None and task.layer is not None:
+                drop = task.shared_exists.settle(task.req_id, ops, [landed.get(id(op), False) for op in ops],
+                                                 [id(op) in stored for op in ops])
+                if drop:
+                    self.metrics.add(save_partial_removed=len(drop))
+                    self.guard.submit_remove(drop)
+
+    def _save_ops(self, task: _Task, ops: list[ChunkOp], landed: dict[int, bool], stored: set[int]) -> None:
         if self._late(task):
             # Waited in the queue past the timeout: give the blocks back now.
             self.metrics.add(save_dropped_late=len(ops))
@@ -680,6 +717,8 @@ class TransferEngine:
                 exists = self.guard.exists([op.key for op in ops])
                 keep = [op for op, s in zip(ops, exists, strict=True) if s is not Status.OK]
             self.metrics.add(save_skipped_existing=len(ops) - len(keep))
+            kept = {id(op) for op in keep}
+            landed.update((id(op), True) for op in ops if id(op) not in kept)
             ops = keep
         stager = self.stager
         pipelined = stager is None
@@ -688,7 +727,7 @@ class TransferEngine:
         for batch in batches(ops, max_bytes, max_blocks):
             regions = [op.materialize() for op in batch]
             if pending is not None:
-                self._collect_save(task, *pending)
+                self._collect_save(task, *pending, landed, stored)
                 pending = None
             nbytes = sum(op.nbytes for op in batch)
             if not self._budget.acquire(nbytes, self.timeout_s):
@@ -709,11 +748,12 @@ class TransferEngine:
                         self._retire(stager, "save", release)  # type: ignore[arg-type]
             finally:
                 self._budget.release(nbytes)
-            self._save_done(batch, statuses, time.perf_counter() - t0)
+            self._save_done(batch, statuses, time.perf_counter() - t0, landed, stored)
         if pending is not None:
-            self._collect_save(task, *pending)
+            self._collect_save(task, *pending, landed, stored)
 
-    def _collect_save(self, task: _Task, batch: list[ChunkOp], nbytes: int, call: PendingCall, t0: float) -> None:
+    def _collect_save(self, task: _Task, batch: list[ChunkOp], nbytes: int, call: PendingCall, t0: float,
+                      landed: dict[int, bool], stored: set[int]) -> None:
         try:
             statuses = self.guard.result(call)
             release = self.guard.hold_for(call, statuses)
@@ -722,10 +762,14 @@ class TransferEngine:
                 task.held.append(release)
         finally:
             self._budget.release(nbytes)
-        self._save_done(batch, statuses, time.perf_counter() - t0)
+        self._save_done(batch, statuses, time.perf_counter() - t0, landed, stored)
 
-    def _save_done(self, batch: list[ChunkOp], statuses: list[Status], dt: float) -> None:
+    def _save_done(self, batch: list[ChunkOp], statuses: list[Status], dt: float,
+                   landed: dict[int, bool], stored: set[int]) -> None:
         good = [op for op, s in zip(batch, statuses, strict=True) if s is Status.OK]
+        for op in good:
+            landed[id(op)] = True
+            stored.add(id(op))
         no_space = sum(s is Status.NO_SPACE for s in statuses)
         self.metrics.add(
             save_ops=len(good),

@@ -294,7 +294,7 @@ class AscendStoreWorker:
             # One batched exists per step for every layer's objects (asked on the saver thread).
             keys = [self.keys.key(s.tenant, c.chunk_hash, lay) for s in self._meta.saves for c in s.chunks
                     if self.ctx.replicas.writes(c.index) for lay in range(self.layout.num_layers)]
-            self._step_exists = (self._meta, SharedExists(keys))
+            self._step_exists = (self._meta, SharedExists(keys, self.layout.num_layers))
         shared = self._step_exists[1]
         for spec in self._meta.saves:
             ops = self._ops(spec, i, writer_only=True)
