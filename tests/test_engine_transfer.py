@@ -169,7 +169,29 @@ def test_full_queue_drops_saves_and_never_blocks():
 
 
 def test_hung_backend_never_blocks_a_load_and_late_writes_are_bounced():
-    be = MemBackend()
+    class RegBackend(MemBackend):
+        """Needs registered memory (as Mooncake over RDMA): the landing buffers too."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.registered: list[Region] = []
+            self.unregistered: list[Region] = []
+
+        @property
+        def capabilities(self):
+            from ascendstore.contract import Capabilities
+
+            return Capabilities(needs_registration=True)
+
+        def register(self, regions):
+            self.registered.extend(regions)
+            return Status.OK
+
+        def unregister(self, regions):
+            self.unregistered.extend(regions)
+            return Status.OK
+
+    be = RegBackend()
     be.delay_s = 2.0
     be.data["k0"] = bytes([7]) * 16
     eng = TransferEngine(BackendGuard(be, 0.1, max_stuck=3))
@@ -179,13 +201,17 @@ def test_hung_backend_never_blocks_a_load_and_late_writes_are_bounced():
     t0 = time.monotonic()
     assert eng.load_now("r", ops_for(first, 1, 16)) == {0}
     assert time.monotonic() - t0 < 1.5
-    # After an overrun, gets go through a private buffer: the stuck call's late
-    # write lands there, never in the destination blocks.
+    # Every get lands in a connector-owned buffer: the stuck calls' late writes
+    # land there (each in its own retired buffer), never in the destination blocks
+    # -- the first overrun included.
     assert eng.load_now("r", ops_for(second, 1, 16)) == {0}
+    assert len(eng._retired) == 2 and len(be.registered) == 2, "each landing buffer is registered"
     time.sleep(2.3)
-    assert second.sum() == 0
+    assert first.sum() == 0 and second.sum() == 0
     be.delay_s = 0
     assert eng.load_now("r", ops_for(second, 1, 16)) == set() and second[0] == 7
+    # Recovery: once the late calls ended their buffers are freed (and unregistered).
+    assert eng._retired == [] and len(be.unregistered) == 2
     eng.shutdown(timeout_s=1)
     assert threading.active_count() < 50
 

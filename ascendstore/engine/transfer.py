@@ -90,15 +90,19 @@ class HostBounce:
     calls may outlive their deadline: the backend writes here, and only what
     arrived in time is copied into vLLM's blocks (a ``Stager`` for loads only)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, on_alloc: Callable[[Region], None] | None = None) -> None:
         self.capacity = capacity
         self._buf: ctypes.Array | None = None
+        #: e.g. register the new buffer with a backend that needs registered memory.
+        self._on_alloc = on_alloc
 
     def _buffer(self, nbytes: int) -> ctypes.Array:
         if self._buf is None or len(self._buf) < nbytes:
             # Allocated on first use (most deployments never bounce), grown for
             # an object larger than the batch limit.
             self._buf = ctypes.create_string_buffer(max(nbytes, self.capacity, 1))
+            if self._on_alloc is not None:
+                self._on_alloc(Region(ctypes.addressof(self._buf), len(self._buf)))
         return self._buf
 
     def region(self) -> Region | None:
@@ -231,6 +235,14 @@ class _ByteBudget:
             self._cv.notify_all()
 
 
+def _addr(buf: object) -> int:
+    """Start address of a buffer the engine or a stager allocated."""
+    if isinstance(buf, ctypes.Array):
+        return ctypes.addressof(buf)
+    data_ptr = getattr(buf, "data_ptr", None)  # a torch tensor (pinned staging buffer)
+    return int(data_ptr()) if data_ptr is not None else 0
+
+
 def batches(ops: Sequence[ChunkOp], max_bytes: int, max_blocks: int = 0) -> Iterable[list[ChunkOp]]:
     """Split ops into batches of at most max_bytes and max_blocks (at least one op each)."""
     if not max_bytes and not max_blocks:
@@ -272,7 +284,9 @@ class TransferEngine:
         self.stager = stager
         # Landing buffer for loads when the backend may write after its deadline
         # and there is no device stager (host KV).
-        self._bounce = None if guard.direct else HostBounce(PIPELINE_BYTES)
+        caps = guard.capabilities
+        self._registers = bool(caps.needs_registration or caps.zero_copy)
+        self._bounce = None if guard.direct else HostBounce(PIPELINE_BYTES, self._register)
         # One staging buffer per direction; sync loads share the load one.
         self._stage_locks = {"load": threading.Lock(), "save": threading.Lock()}
         self.metrics = guard.metrics
@@ -304,6 +318,8 @@ class TransferEngine:
         self._held: list[_Task] = []
         #: buffers a late call may still use, kept alive until it ends.
         self._retired: list[tuple[object, Release]] = []
+        #: landing/staging regions registered with the backend, by buffer id.
+        self._registered: dict[int, Region] = {}
         #: first keys of recent load batches, in issue order (staggering is visible here).
         self.load_order: deque[list[str]] = deque(maxlen=64)
         #: keys of objects whose save landed (OK), for KV events; drained by take_stored().
@@ -473,19 +489,30 @@ class TransferEngine:
         with self._lock:
             done = [t for t in self._held if all(r() for r in t.held)]
             self._held = [t for t in self._held if t not in done]
+            freed = [b for b, r in self._retired if r()]
             self._retired = [(b, r) for b, r in self._retired if not r()]
+        for b in freed:
+            region = self._registered.pop(_addr(b), None)
+            if region is not None:
+                self.guard.backend.unregister([region])
         for t in done:
             log.info("late put of %s ended; its blocks go back to vLLM", t.req_id)
             self._finish(t)
+
+    def _register(self, region: Region) -> None:
+        """Landing and staging buffers the engine allocates are registered like
+        vLLM's KV when the backend reads or writes registered memory (RDMA)."""
+        if self._registers:
+            self.guard.register([region])
+            self._registered[region.addr] = region
 
     def _retire(self, stager: Stager, direction: str, release: Release) -> None:
         old, region = stager.detach(direction)
         with self._lock:
             self._retired.append((old, release))
         self.metrics.add(load_buffers_retired=1)
-        caps = self.guard.capabilities
-        if region is not None and (caps.needs_registration or caps.zero_copy):
-            self.guard.register([region])
+        if region is not None:
+            self._register(region)
 
     def _landing_full(self) -> bool:
         self._reap()
