@@ -257,3 +257,34 @@ def test_layerwise_chunk_with_a_failed_layer_is_removed_whole():
     assert "L0-c1" not in be.data and "L1-c1" not in be.data, "chunk 1 is gone whole"
     assert eng.metrics.totals()["save_partial_removed"] == 1
     eng.shutdown()
+
+
+def test_layerwise_batches_capped_in_bytes_and_blocks():
+    ops = [ChunkOp(f"k{i}", [Region(0, 100)], [i, i + 10], i) for i in range(5)]
+    assert [len(b) for b in batches(ops, 250)] == [2, 2, 1]
+    assert [len(b) for b in batches(ops, 0, 4)] == [2, 2, 1]  # two blocks per op
+    assert [len(b) for b in batches(ops, 1000, 2)] == [1, 1, 1, 1, 1]
+
+
+def test_layerwise_loader_runs_at_most_prefetch_layers_ahead():
+    """layerwise_prefetch_layers: layer i is fetched only once the forward pass
+    waited for layer i - prefetch (bounded by the step's deadline)."""
+    be = MemBackend()
+    dst = torch.zeros(64, dtype=torch.uint8)
+    _KEEP.append(dst)
+    for layer in range(4):
+        be.data[f"L{layer}"] = bytes([layer + 1]) * 16
+    eng = TransferEngine(BackendGuard(be, 2.0), prefetch_layers=1)
+    eng.new_step()
+    deadline = time.monotonic() + 5
+    for layer in range(4):
+        op = ChunkOp(f"L{layer}", [Region(dst.data_ptr() + 16 * layer, 16)], [layer], 0, layer)
+        eng.submit_load("r", [op], layer=layer, deadline=deadline)
+    time.sleep(0.5)
+    fetched = [k for op, keys in be.calls if op == "get" for k in keys]
+    # Before the forward pass reaches layer 0 only layer 0 is fetched.
+    assert fetched == ["L0"], f"the loader ran ahead of the forward pass: {fetched}"
+    for layer in range(4):
+        assert eng.wait_layer(layer) == set()
+    assert dst.view(4, 16)[:, 0].tolist() == [1, 2, 3, 4]
+    eng.shutdown()
