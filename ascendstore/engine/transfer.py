@@ -322,8 +322,8 @@ class TransferEngine:
         self._registered: dict[int, Region] = {}
         #: first keys of recent load batches, in issue order (staggering is visible here).
         self.load_order: deque[list[str]] = deque(maxlen=64)
-        #: keys of objects whose save landed (OK), for KV events; drained by take_stored().
-        self._stored_keys: list[str] = []
+        #: keys of saves now in the pool, for KV events; drained by take_landed().
+        self._landed_keys: list[str] = []
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._run, args=(k,), name=f"{name}-{k}", daemon=True) for k in ("load", "save")
@@ -436,11 +436,19 @@ class TransferEngine:
         self._enqueue(task)
         return True
 
-    def take_stored(self) -> list[str]:
-        """Keys whose save landed since the last call (for BlockStored events)."""
+    def take_landed(self) -> list[str]:
+        """Keys of saves that are in the pool since the last call: put OK, or
+        found there already and skipped (for BlockStored events)."""
         with self._lock:
-            keys, self._stored_keys = self._stored_keys, []
+            keys, self._landed_keys = self._landed_keys, []
         return keys
+
+    def _note_landed(self, keys: Iterable[str]) -> None:
+        with self._lock:
+            self._landed_keys.extend(keys)
+            if len(self._landed_keys) > 1 << 16:
+                # Nobody drains them (events off): keep memory bounded.
+                del self._landed_keys[: 1 << 15]
 
     # -- bookkeeping ------------------------------------------------------------------
     def _task_timeout(self, tasks: Sequence[_Task]) -> float:
@@ -745,7 +753,10 @@ class TransferEngine:
                 keep = [op for op, s in zip(ops, exists, strict=True) if s is not Status.OK]
             self.metrics.add(save_skipped_existing=len(ops) - len(keep))
             kept = {id(op) for op in keep}
-            landed.update((id(op), True) for op in ops if id(op) not in kept)
+            existing = [op for op in ops if id(op) not in kept]
+            landed.update((id(op), True) for op in existing)
+            if existing:
+                self._note_landed(op.key for op in existing)
             ops = keep
         stager = self.stager
         pipelined = stager is None
@@ -806,11 +817,7 @@ class TransferEngine:
             save_no_space=no_space,
         )
         if good:
-            with self._lock:
-                self._stored_keys.extend(op.key for op in good)
-                if len(self._stored_keys) > 1 << 16:
-                    # Nobody drains them (events off): keep memory bounded.
-                    del self._stored_keys[: 1 << 15]
+            self._note_landed(op.key for op in good)
 
     def shutdown(self, timeout_s: float = 5.0, keepalive: object = None) -> None:
         """Finish queued saves (bounded), then stop the threads.
