@@ -177,13 +177,15 @@ class Backend(ABC):
 
     @property
     @abstractmethod
-    def capabilities(self) -> Capabilities: ...
+    def capabilities(self) -> Capabilities:
+        """What this client promises (a property); the suite tests what it declares."""
 
     def register(self, regions: Sequence[Region]) -> Status:
         """Make regions usable for zero-copy transfers. Default: nothing to do."""
         return Status.OK
 
     def unregister(self, regions: Sequence[Region]) -> Status:
+        """Undo register(). Default: nothing to do."""
         return Status.OK
 
     @abstractmethod
@@ -193,7 +195,9 @@ class Backend(ABC):
     @abstractmethod
     def put(
         self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float
-    ) -> list[Status]: ...
+    ) -> list[Status]:
+        """Store each key's bytes, the concatenation of its regions: OK, NO_SPACE
+        (full for now), INVALID (a key or size over the declared limits)."""
 
     @abstractmethod
     def get(
