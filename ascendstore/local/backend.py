@@ -163,8 +163,9 @@ class LocalBackend(Backend):
     def remove_prefix(self, prefix: str, timeout_s: float) -> tuple[Status, int]:
         if (slow := self._hook_wait(timeout_s)) is not None:
             return slow, 0
-        if not prefix:  # would empty the pool of every tenant: refused
-            return Status.INVALID, 0
+        if not prefix:  # would empty the pool of every tenant: refused (a closed client says so first)
+            status, _ = self._pool.scan("", False, 0, timeout_s)
+            return (Status.INVALID if status is Status.OK else status), 0
         return self._pool.scan(prefix, True, -1, timeout_s)
 
     def list_keys(self, prefix: str = "", limit: int = 1000) -> Iterator[str]:
