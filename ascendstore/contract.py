@@ -86,6 +86,14 @@ class Capabilities:
     max_object_bytes: int = 1 << 30
     #: characters allowed in keys besides ASCII letters and digits.
     key_extra_chars: str = "@._:-/=+"
+    #: every call returns by itself within about ``timeout_s`` (plus the time to
+    #: copy its bytes) and is done with its regions when it returns, e.g. an
+    #: in-process store whose lock waits honour the deadline. The engine then
+    #: never abandons a call, so it lets calls read and write vLLM's KV blocks
+    #: directly. False (the safe default): a call may outlive its deadline, so
+    #: loads land in connector-owned buffers and the blocks a put reads stay
+    #: held until the put has really ended (docs/failure-semantics.md).
+    bounded_calls: bool = False
 
 
 @dataclass
@@ -229,6 +237,15 @@ class Backend(ABC):
         ints >= 0, a capacity > 0 and left out when the store has no limit.
         Answers after close() too (never raises)."""
         return {}
+
+    def quiescent(self) -> bool:
+        """True when no call of this client is still running in the background.
+
+        A backend that gives up waiting on its own library (returns TIMEOUT while
+        a native call goes on) answers False until that call has ended: the
+        engine keeps the memory such a call was given (buffers, vLLM's blocks)
+        out of use until then. Default: calls never outlive their return."""
+        return True
 
     def test_hooks(self) -> BackendTestHooks | None:
         """Fault injection for the conformance suite; None when not offered."""

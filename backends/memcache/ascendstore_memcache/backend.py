@@ -289,6 +289,10 @@ class MemcacheBackend(GvaFlow, Backend):
             max_object_bytes=1 << 30,
         )
 
+    def quiescent(self) -> bool:
+        # A native call we stopped waiting for may still read or write its buffers.
+        return self._calls.inflight == 0
+
     def stats(self) -> Mapping[str, Any]:
         out: dict[str, Any] = {
             "driver": self._options.driver,
