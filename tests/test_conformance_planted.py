@@ -84,6 +84,7 @@ class MemStore(Backend):
         max_key_bytes=128,
         max_object_bytes=8 << 20,
         key_extra_chars="@._:-/=+%*?[]",
+        bounded_calls=True,
     )
 
     def __init__(self, options: Options) -> None:
@@ -564,6 +565,25 @@ class StatsRaiseAfterClose(MemStore):
         return super().stats()
 
 
+class FinishesInBackground(MemStore):
+    """Declares bounded_calls but, on a timeout, lets the work finish on a thread:
+    the get scatters and the put gathers after the call returned."""
+
+    def _late(self, fn):
+        threading.Timer(self.slow_s, fn).start()
+
+    def get(self, keys, regions, timeout_s):
+        if self.slow_s > timeout_s:
+            self._late(lambda: [scatter(self._read(k)[1], r) for k, r in zip(keys, regions, strict=True)
+                                if self._read(k)[0] is OK])
+        return super().get(keys, regions, timeout_s)
+
+    def put(self, keys, regions, timeout_s):
+        if self.slow_s > timeout_s:
+            self._late(lambda: [self._write(k, gather(r)) for k, r in zip(keys, regions, strict=True)])
+        return super().put(keys, regions, timeout_s)
+
+
 #: bug -> the suite's tests that must catch it
 PLANTED: dict[type[MemStore], set[str]] = {
     ExistsLies: {"test_absent_keys_are_not_found", "test_batch_mixing_present_and_absent_keys"},
@@ -605,6 +625,8 @@ PLANTED: dict[type[MemStore], set[str]] = {
     TimedOutPutLeavesKeyStuck: {"test_timeout_surfaces_as_timeout_status"},
     # A failed get leaves its regions untouched (INVALID, NOT_FOUND of an absent key).
     WritesBeforeSizeCheck: {"test_get_into_wrong_total_length_is_invalid"},
+    # bounded_calls: done with the regions on return (no late write, no late read).
+    FinishesInBackground: {"test_bounded_calls_are_done_with_their_regions_on_return"},
     # stats() conventions, and calls after close().
     ZeroCapacityWhenUnlimited: {"test_stats_follow_the_conventions"},
     ListsAfterClose: {"test_calls_after_close_are_unavailable"},
@@ -628,6 +650,7 @@ MESSAGES: dict[type[MemStore], tuple[str, ...]] = {
     RemovePrefixIgnoresDelay: ("the delay hook covers remove_prefix",),
     TimedOutPutLeavesKeyStuck: ("get of the key of a timed-out put returned",),
     WritesBeforeSizeCheck: ("returned INVALID but wrote into the region",),
+    FinishesInBackground: ("wrote into its regions afterwards",),
     ZeroCapacityWhenUnlimited: ("leaves the key out",),
     ListsAfterClose: ("a closed client lists nothing",),
     StatsRaiseAfterClose: ("client is closed",),

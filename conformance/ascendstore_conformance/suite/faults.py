@@ -13,6 +13,8 @@ from ascendstore_conformance.suite.base import require, require_hook
 OK, NOT_FOUND, TIMEOUT, CORRUPT = Status.OK, Status.NOT_FOUND, Status.TIMEOUT, Status.CORRUPT
 SLOW_S = 3.0
 SHORT_TIMEOUT_S = 0.2
+#: the slow store of the late-write test: short, since the test waits it out.
+LATE_S = 1.0
 
 
 class FaultTests:
@@ -81,6 +83,34 @@ class FaultTests:
             delay(0)
         health = h.call("health", h.timeout_s)
         assert health.status is OK, f"health() after delay(0) returned {health!r}"
+
+    def test_bounded_calls_are_done_with_their_regions_on_return(self, harness: Harness) -> None:
+        h = harness
+        require(h, "bounded_calls")
+        delay = require_hook(h, "delay")
+        key, new = h.keys("late-get", "late-put")
+        data, first, second = pattern("late-get", 4096), pattern("late-put", 4096), pattern("changed", 4096)
+        h.put_ok({key: data})
+        src = h.source(first)
+        delay(LATE_S)
+        try:
+            got, (dst,) = h.get([key], [4096], timeout_s=SHORT_TIMEOUT_S)
+            put = h.statuses("put", [new], [[src.region]], timeout_s=SHORT_TIMEOUT_S)
+        finally:
+            delay(0)
+        assert got == [TIMEOUT] and put == [TIMEOUT], f"get and put against a slow store returned {got!r}, {put!r}"
+        assert h.backend.quiescent(), "bounded_calls=True but quiescent() says a call still runs after returning"
+        at_return = dst.read()
+        src.write(second)  # the caller reuses its memory once the call has returned
+        time.sleep(LATE_S + 0.5)  # past the time the slow store would have finished
+        assert dst.read() == at_return, (
+            "bounded_calls=True but a get that returned TIMEOUT wrote into its regions afterwards"
+        )
+        status, stored = h.get_bytes(new, 4096)
+        assert status is NOT_FOUND or stored == first, (
+            f"bounded_calls=True but a put that returned TIMEOUT read its regions afterwards (get: {status!r}, "
+            f"{'the bytes written after it returned' if stored == second else 'other bytes'})"
+        )
 
     def test_tiny_timeout_returns_promptly(self, harness: Harness) -> None:
         h = harness
