@@ -175,7 +175,7 @@ def conformance(
         typer.Option(
             "--backend-timeout-margin",
             metavar="SECONDS",
-            help="how far past its timeout_s a call may return before it fails (default 0.3)",
+            help="how far past its timeout_s a call may return before it fails (default 0.5)",
         ),
     ] = None,
     backend_max_test_bytes: Annotated[
