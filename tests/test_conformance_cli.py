@@ -154,3 +154,11 @@ def test_an_unknown_backend_says_what_to_do() -> None:
     msg = str(info.value)
     assert "install its package into this Python environment" in msg and sys.executable in msg
     assert "ascendstore backends" in msg
+
+
+def test_cli_says_why_a_test_was_skipped(tmp_path: Path) -> None:
+    done = cli("conformance", "dirstore", "--backend-config", json.dumps(DIRSTORE),
+               "-p", "no:cacheprovider", "-k", "capacity_full", cwd=tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "1 skipped" in out and "no small_config for dirstore: give --backend-small-config" in out, out[-2000:]
