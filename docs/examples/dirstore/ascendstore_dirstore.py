@@ -68,6 +68,7 @@ class DirStore(Backend):
             persistent=True,
             detects_corruption=True,
             listing=True,
+            bounded_calls=True,  # every call runs in the caller's thread and ends with it
             max_key_bytes=MAX_KEY_BYTES,
             max_object_bytes=MAX_OBJECT_BYTES,
         )
