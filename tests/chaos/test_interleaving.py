@@ -50,6 +50,7 @@ MODES = {
     "async": ({"load_async": True}, {}),
     "layerwise": ({"use_layerwise": True}, {}),
     "tp2": ({}, {"tp_size": 2}),
+    "gr": ({"gr": {"enabled": True}}, {}),
 }
 
 
@@ -80,9 +81,9 @@ class Run:
         self.aborted: set[str] = set()
         self.prompts: dict[str, list[int]] = {}
 
-    def add(self, req_id: str, prompt: list[int]) -> None:
+    def add(self, req_id: str, prompt: list[int], extra_args: dict | None = None) -> None:
         self.prompts[req_id] = prompt
-        self.eng.add_request(req_id, prompt, max_tokens=self.rng.randint(1, 4))
+        self.eng.add_request(req_id, prompt, max_tokens=self.rng.randint(1, 4), extra_args=extra_args)
 
     def step_until_empty(self, timeout_s: float = 60.0) -> None:
         eng, rng = self.eng, self.rng
@@ -118,6 +119,14 @@ def _blocks_all_free(eng: EngineHarness) -> None:
     assert pool.get_num_free_blocks() == len(pool.blocks) - 1, "a block was lost or freed twice"
 
 
+def _gr_request(rng: random.Random, users: dict[str, list[int]]) -> tuple[list[int], dict]:
+    """GR: a user's history (the pooled prefix) plus fresh candidate items."""
+    uid = f"u{rng.randrange(4)}"
+    hist = users.setdefault(uid, [rng.randint(10, 900) for _ in range(rng.randint(3, 6) * BS)])
+    cands = [rng.randint(10, 900) for _ in range(rng.randint(BS // 2, 2 * BS))]
+    return hist + cands, {"uid": uid, "user_history_len": len(hist)}
+
+
 def _prompt(rng: random.Random, shared: list[list[int]]) -> list[int]:
     if shared and rng.random() < 0.6:
         base = rng.choice(shared)
@@ -136,23 +145,30 @@ def test_random_interleavings_release_blocks_once_and_load_exact(mode):
     b = EngineHarness(EngineSpec(extra_config=extra, num_blocks=96, **spec_kw))
     seed = int(os.environ.get("ASCENDSTORE_INTERLEAVE_SEED", str(random.randrange(1 << 30))))
     rng = random.Random(seed)
+    print(f"\ninterleaving {mode}: ASCENDSTORE_INTERLEAVE_SEED={seed}", flush=True)
     worst = 0.0
     counts = {"requests": 0, "aborted": 0, "exact_checked": 0, "hit_tokens": 0}
     try:
         for rnd in range(ROUNDS):
             _set(**_faults(rng))
             shared: list[list[int]] = []
-            ra = Run(a, rng)
-            for i in range(rng.randint(2, 5)):
-                p = _prompt(rng, shared)
-                shared.append(p)
-                ra.add(f"a{rnd}-{i}", p)
-            ra.step_until_empty()
-            rb = Run(b, rng)
-            b.scheduler.reset_prefix_cache()
-            for i in range(rng.randint(2, 5)):
-                rb.add(f"b{rnd}-{i}", _prompt(rng, shared))
-            rb.step_until_empty()
+            users: dict[str, list[int]] = {}
+            for eng, tag in ((a, "a"), (b, "b")):
+                run = Run(eng, rng)
+                if tag == "b":
+                    eng.scheduler.reset_prefix_cache()
+                for i in range(rng.randint(2, 5)):
+                    if mode == "gr":
+                        run.add(f"{tag}{rnd}-{i}", *_gr_request(rng, users))
+                    else:
+                        p = _prompt(rng, shared)
+                        shared.append(p)
+                        run.add(f"{tag}{rnd}-{i}", p)
+                run.step_until_empty()
+                if tag == "a":
+                    ra = run
+                else:
+                    rb = run
             for run, eng in ((ra, a), (rb, b)):
                 worst = max(worst, run.worst_release_s())
                 _blocks_all_free(eng)
@@ -165,6 +181,10 @@ def test_random_interleavings_release_blocks_once_and_load_exact(mode):
                 counts["aborted"] += len(run.aborted)
             assert worst <= BOUND_S, f"seed {seed}: blocks came back {worst:.2f}s after the request ended"
         counts["hit_tokens"] = int(b.stats_total().get("lookup_hit_tokens", 0))
+        if mode == "gr":
+            gr = b.connector.gr.totals()
+            counts["gr_dram_hits"] = int(gr.get("dram_hits", 0))
+            counts["gr_swapin_successes"] = int(gr.get("swapin_successes", 0))
         report(f"interleaving_{mode}", seed=seed, rounds=ROUNDS, worst_release_s=round(worst, 3),
                bound_s=BOUND_S, **counts)
     finally:
