@@ -65,6 +65,11 @@ class LocalHooks:
         before the victims leave DRAM (0 turns it off)."""
         self._pool.debug_spill_stall(seconds)
 
+    def stall_puts(self, seconds: float) -> None:
+        """This client's puts pause ``seconds`` after reserving their pages, before
+        copying in (a writer caught mid-put that then writes its bytes; 0: off)."""
+        self._pool.debug_put_stall(seconds)
+
     def holder(self) -> int:
         """pid in hold_lock (negative: in stall_put or a stalled spill), 0 if none; read without the lock."""
         return self._pool.debug_holder()
