@@ -20,6 +20,7 @@ from ascendstore.contract import (
     Capabilities,
     Health,
     Region,
+    RemovalEvent,
     Status,
 )
 from ascendstore.local import _shmpool
@@ -101,6 +102,7 @@ class LocalBackend(Backend):
             listing=True,
             scheduler_client=True,
             empty_objects=True,
+            removal_events=True,
             max_key_bytes=_shmpool.MAX_KEY_BYTES,
             max_object_bytes=options.pages * options.page_size,
         )
@@ -162,6 +164,15 @@ class LocalBackend(Backend):
     def list_keys(self, prefix: str = "", limit: int = 1000) -> Iterator[str]:
         status, keys = self._pool.scan(prefix, False, limit, self._ctx.timeout_s)
         return iter(keys if status is Status.OK else ())
+
+    def removed_since(self, cursor: int, limit: int = 4096) -> tuple[int, list[RemovalEvent], int]:
+        """Removal records of the whole pool (every process's evictions and
+        removals), read from the bounded ring in the segment. On a lock timeout
+        or a closed pool: the same cursor and no events."""
+        status, nxt, records, lost = self._pool.removed_since(cursor, limit, self._ctx.timeout_s)
+        if status is not Status.OK:
+            return cursor, [], 0
+        return nxt, [RemovalEvent(k, t, r, m, seq) for seq, k, t, r, m in records], lost
 
     def stats(self) -> Mapping[str, Any]:
         status, stats = self._pool.stats(self._ctx.timeout_s)
