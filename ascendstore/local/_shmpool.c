@@ -2302,6 +2302,256 @@ static PyObject *Pool_scan(Pool *p, PyObject *args) {
     return res;
 }
 
+/* ------------------------------------------------------------------ prefix scan (lookup)
+ *
+ * prefix_run(prefixes, suffixes, gallop, timeout_s) -> (Status, chunks, probes)
+ *
+ * suffixes: str, or bytes (a raw chained hash; its lowercase hex is used, so
+ * the scheduler need not build a hex string per chunk).
+ * Chunk i is present when every key prefix + suffixes[i] (for each prefix) is
+ * in the pool. Returns how many chunks from 0 are present as an unbroken run:
+ * the scheduler's lookup of a prompt in one call, with no key strings or status
+ * lists built in Python. Keys are hashed before the lock is taken (the FNV state
+ * after each prefix is computed once); found keys are touched as exists does.
+ *
+ * gallop=0: one probe per chunk up to the first miss (exact).
+ * gallop=1: chained keys have the prefix property (chunk i was saved only after
+ * chunks < i), so probe chunks 0, 1, 3, 7, ... until a miss, then bisect between
+ * the last hit and that miss: O(log n) probes. An eviction hole below a probed
+ * hit is not seen (the run is overcounted; the load of the hole then fails and
+ * those tokens are recomputed). probes counts chunks examined. */
+typedef struct {
+    const char *buf;       /* prefixes then suffixes, copied (the GIL is released) */
+    uint32_t np, n;
+    uint32_t *poff, *plen; /* np */
+    uint64_t *pstate;      /* FNV-1a state after each prefix */
+    uint32_t *soff, *slen; /* n */
+} prefix_req_t;
+
+static uint64_t fnv_more(uint64_t h, const char *k, size_t n) {
+    for (size_t i = 0; i < n; i++) h = (h ^ (uint8_t)k[i]) * 0x100000001b3ULL;
+    return h;
+}
+
+static uint64_t fnv_mix(uint64_t h) {
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdULL;
+    h ^= h >> 33;
+    return h;
+}
+
+/* Entries of the chunks found present, touched after the scan (see scan_touch). */
+typedef struct {
+    uint32_t chunk, idx;
+    uint64_t version;
+} seen_t;
+
+/* 1 if every key of chunk i is present (recording their entries in seen), else 0;
+ * hashes: the chunk's np precomputed hashes or NULL. */
+static int chunk_present(Pool *p, const prefix_req_t *q, uint32_t i, const uint64_t *hashes, seen_t *seen,
+                         size_t *nseen) {
+    char key[MAX_KEY];
+    uint32_t sl = q->slen[i];
+    const char *s = q->buf + q->soff[i];
+    size_t n0 = *nseen;
+    for (uint32_t j = 0; j < q->np; j++) {
+        uint32_t pl = q->plen[j], kl = pl + sl;
+        if (kl == 0 || kl > MAX_KEY) break; /* cannot be stored: absent */
+        memcpy(key, q->buf + q->poff[j], pl);
+        memcpy(key + pl, s, sl);
+        uint64_t hv = hashes ? hashes[j] : fnv_mix(fnv_more(q->pstate[j], s, sl));
+        uint32_t e = find(p, key, kl, hv);
+        if (e == NONE32) break;
+        seen[(*nseen)++] = (seen_t){i, e, ENT(p)[e].version};
+    }
+    if (*nseen - n0 == q->np) return 1;
+    *nseen = n0; /* a chunk partly present is not loadable: not touched */
+    return 0;
+}
+
+static int cmp_seen_desc(const void *a, const void *b) {
+    uint32_t x = ((const seen_t *)a)->chunk, y = ((const seen_t *)b)->chunk;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/* LRU-touch the entries found, last chunk first: chunk 0 of a prompt ends up the
+ * most recently used, so LRU evicts a prefix from its tail and what stays is
+ * still a prefix (evicting chunk 0 first would strand every later chunk).
+ * Entries replaced since they were seen (another version) are skipped. Lock held. */
+static void scan_touch(Pool *p, seen_t *seen, size_t nseen, int sorted) {
+    if (!sorted) qsort(seen, nseen, sizeof *seen, cmp_seen_desc);
+    entry_t *E = ENT(p);
+    for (size_t k = 0; k < nseen; k++) {
+        const seen_t *v = sorted ? &seen[nseen - 1 - k] : &seen[k];
+        if (E[v->idx].version == v->version) touch(p, v->idx);
+    }
+}
+
+static PyObject *Pool_prefix_run(Pool *p, PyObject *args) {
+    PyObject *prefs, *sufs;
+    int gallop;
+    double t;
+    if (!PyArg_ParseTuple(args, "OOpd", &prefs, &sufs, &gallop, &t)) return NULL;
+    PyObject *pf = PySequence_Fast(prefs, "prefixes must be a sequence of str");
+    if (!pf) return NULL;
+    PyObject *sf = PySequence_Fast(sufs, "suffixes must be a sequence of str");
+    if (!sf) {
+        Py_DECREF(pf);
+        return NULL;
+    }
+    Py_ssize_t np = PySequence_Fast_GET_SIZE(pf), n = PySequence_Fast_GET_SIZE(sf);
+    PyObject *res = NULL;
+    prefix_req_t q = {0};
+    char *buf = NULL;
+    uint64_t *hashes = NULL;
+    seen_t *seen = NULL;
+    size_t nseen = 0;
+    if (np < 1 || np > 1 << 16 || n > 1 << 24) {
+        PyErr_SetString(PyExc_ValueError, "prefix_run: 1..65536 prefixes and at most 2^24 suffixes");
+        goto out;
+    }
+    q.np = (uint32_t)np;
+    q.n = (uint32_t)n;
+    q.poff = malloc(sizeof(uint32_t) * 2 * np);
+    q.pstate = malloc(sizeof(uint64_t) * np);
+    q.soff = malloc(sizeof(uint32_t) * 2 * (n + 1));
+    if (!q.poff || !q.pstate || !q.soff) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    q.plen = q.poff + np;
+    q.slen = q.soff + n + 1;
+    size_t tot = 0;
+    for (Py_ssize_t k = 0; k < np + n; k++) {
+        PyObject *o = k < np ? PySequence_Fast_GET_ITEM(pf, k) : PySequence_Fast_GET_ITEM(sf, k - np);
+        Py_ssize_t l;
+        if (k >= np && PyBytes_Check(o)) {
+            l = 2 * PyBytes_GET_SIZE(o); /* a raw hash: its lowercase hex is the suffix */
+        } else if (!PyUnicode_Check(o) || !PyUnicode_AsUTF8AndSize(o, &l)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "prefix_run: prefixes must be str, suffixes str or bytes");
+            goto out;
+        }
+        if (l > MAX_KEY) l = MAX_KEY + 1; /* such a key is never present; keep the length only */
+        if (k < np) q.plen[k] = (uint32_t)l;
+        else q.slen[k - np] = (uint32_t)l;
+        tot += l > MAX_KEY ? 0 : l;
+    }
+    buf = malloc(tot + 1);
+    if (!buf) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    size_t o = 0;
+    for (Py_ssize_t k = 0; k < np + n; k++) {
+        PyObject *s = k < np ? PySequence_Fast_GET_ITEM(pf, k) : PySequence_Fast_GET_ITEM(sf, k - np);
+        Py_ssize_t l;
+        uint32_t *off = k < np ? &q.poff[k] : &q.soff[k - np];
+        *off = (uint32_t)o;
+        if (k >= np && PyBytes_Check(s)) {
+            static const char hexd[] = "0123456789abcdef";
+            const uint8_t *c = (const uint8_t *)PyBytes_AS_STRING(s);
+            l = 2 * PyBytes_GET_SIZE(s);
+            if (l <= MAX_KEY) {
+                for (Py_ssize_t i = 0; i < l / 2; i++) {
+                    buf[o++] = hexd[c[i] >> 4];
+                    buf[o++] = hexd[c[i] & 15];
+                }
+            }
+            continue;
+        }
+        const char *c = PyUnicode_AsUTF8AndSize(s, &l);
+        if (l <= MAX_KEY) {
+            memcpy(buf + o, c, l);
+            o += l;
+        }
+    }
+    q.buf = buf;
+    for (uint32_t j = 0; j < q.np; j++) q.pstate[j] = fnv_more(0xcbf29ce484222325ULL, buf + q.poff[j], q.plen[j]);
+    seen = malloc(sizeof(seen_t) * np * (gallop ? 128 : n + 1)); /* gallop: at most ~2 log2(n) probes */
+    if (!gallop && n) hashes = malloc(sizeof(uint64_t) * np * n);
+    if (!seen || (!gallop && n && !hashes)) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    int st = ST_OK;
+    Py_ssize_t hits = 0, probes = 0;
+    if (enter(p) < 0) {
+        st = ST_UNAVAILABLE;
+    } else {
+        double deadline = arg_deadline(t);
+        Py_BEGIN_ALLOW_THREADS
+        double slow = atomic_load(&p->delay_s);
+        if (slow > 0) { /* simulated slow store, as for the batch calls */
+            double left = deadline - now_mono();
+            if (left < 0) left = 0;
+            usleep((useconds_t)((slow < left ? slow : left) * 1e6));
+            if (slow >= left) st = ST_TIMEOUT;
+        }
+        if (!st) st = ensure_slot(p, deadline);
+        if (!st && !gallop) {
+            /* Keys are hashed outside the lock in growing blocks (16, 64, 256, ...
+             * chunks), each probed under the lock: a miss early costs little. */
+            uint32_t hashed = 0, block = 16;
+            while (!st && (uint32_t)hits == hashed && hashed < q.n) {
+                uint32_t end = q.n - hashed < block ? q.n : hashed + block;
+                for (uint32_t i = hashed; i < end; i++)
+                    for (uint32_t j = 0; j < q.np; j++)
+                        hashes[(size_t)i * q.np + j] = fnv_mix(fnv_more(q.pstate[j], buf + q.soff[i], q.slen[i]));
+                hashed = end;
+                block *= 4;
+                if ((st = pool_lock(p, deadline))) break;
+                while ((uint32_t)hits < hashed) {
+                    probes++;
+                    if (!chunk_present(p, &q, (uint32_t)hits, hashes + (size_t)hits * q.np, seen, &nseen)) break;
+                    hits++;
+                }
+                if ((uint32_t)hits < hashed || hashed == q.n) scan_touch(p, seen, nseen, 1); /* the last block */
+                pool_unlock(p);
+            }
+        } else if (!st && q.n) {
+            if (!(st = pool_lock(p, deadline))) {
+                /* lo: a run of lo chunks is believed present; hi: chunk hi is absent (or n) */
+                uint64_t lo = 0, hi = q.n, step = 1;
+                for (;;) {
+                    uint64_t i = lo + step - 1; /* probe the last chunk of the next block */
+                    if (i >= q.n) i = q.n - 1;
+                    probes++;
+                    if (!chunk_present(p, &q, (uint32_t)i, NULL, seen, &nseen)) {
+                        hi = i;
+                        break;
+                    }
+                    lo = i + 1;
+                    if (lo >= q.n) break;
+                    step *= 2;
+                }
+                while (lo < hi) {
+                    uint64_t mid = lo + (hi - lo) / 2;
+                    probes++;
+                    if (chunk_present(p, &q, (uint32_t)mid, NULL, seen, &nseen)) lo = mid + 1;
+                    else hi = mid;
+                }
+                hits = (Py_ssize_t)lo;
+                scan_touch(p, seen, nseen, 0);
+                pool_unlock(p);
+            }
+        }
+        Py_END_ALLOW_THREADS
+        leave(p);
+    }
+    res = Py_BuildValue("(Nnn)", status_obj(st), st == ST_OK ? hits : (Py_ssize_t)0, probes);
+out:
+    free(q.poff);
+    free(q.pstate);
+    free(q.soff);
+    free(buf);
+    free(hashes);
+    free(seen);
+    Py_DECREF(pf);
+    Py_DECREF(sf);
+    return res;
+}
+
 /* removed_since(cursor, limit, timeout_s) -> (Status, next_cursor, [(seq, key, tier, reason, moved_to)], lost).
  * cursor: the sequence number of the next record wanted; -1: from now on. */
 static PyObject *Pool_removed_since(Pool *p, PyObject *args) {
@@ -2669,6 +2919,8 @@ static PyMethodDef Pool_methods[] = {
     {"remove", (PyCFunction)Pool_remove, METH_VARARGS, "remove(keys, timeout_s) -> [Status]"},
     {"scan", (PyCFunction)Pool_scan, METH_VARARGS,
      "scan(prefix, remove, limit, timeout_s) -> (Status, count | [keys])"},
+    {"prefix_run", (PyCFunction)Pool_prefix_run, METH_VARARGS,
+     "prefix_run(prefixes, suffixes, gallop, timeout_s) -> (Status, chunks present from 0, probes)"},
     {"stats", (PyCFunction)Pool_stats, METH_VARARGS, "stats(timeout_s) -> (Status, dict)"},
     {"removed_since", (PyCFunction)Pool_removed_since, METH_VARARGS,
      "removed_since(cursor, limit, timeout_s) -> (Status, next_cursor, [(seq, key, tier, reason, moved_to)], lost)"},
@@ -2761,12 +3013,55 @@ static PyObject *mod_checksum(PyObject *m, PyObject *args) {
     return PyLong_FromUnsignedLongLong(h);
 }
 
+/* copy_regions(dst_addrs, src_addrs, size) -> None: memcpy(dst[i], src[i], size)
+ * for every i in one call without the GIL. Benchmark baseline only: the same
+ * kind of call as a batched put/get (one C call, one memcpy per object). The
+ * addresses must be valid for size bytes; nothing is checked. */
+static PyObject *mod_copy_regions(PyObject *m, PyObject *args) {
+    PyObject *dsts, *srcs;
+    unsigned long long size;
+    if (!PyArg_ParseTuple(args, "OOK", &dsts, &srcs, &size)) return NULL;
+    PyObject *df = PySequence_Fast(dsts, "dst_addrs must be a sequence of int");
+    if (!df) return NULL;
+    PyObject *sf = PySequence_Fast(srcs, "src_addrs must be a sequence of int");
+    if (!sf) {
+        Py_DECREF(df);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(df);
+    uint64_t *a = NULL;
+    if (PySequence_Fast_GET_SIZE(sf) != n) {
+        PyErr_SetString(PyExc_ValueError, "copy_regions: as many sources as destinations");
+        goto out;
+    }
+    a = malloc(sizeof(uint64_t) * 2 * (n + 1));
+    if (!a) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        a[2 * i] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(df, i));
+        a[2 * i + 1] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(sf, i));
+    }
+    if (PyErr_Occurred()) goto out;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) memcpy((void *)(uintptr_t)a[2 * i], (const void *)(uintptr_t)a[2 * i + 1], size);
+    Py_END_ALLOW_THREADS
+out:
+    free(a);
+    Py_DECREF(df);
+    Py_DECREF(sf);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *mod_entry_size(PyObject *m, PyObject *noargs) { return PyLong_FromSize_t(sizeof(entry_t)); }
 
 static PyMethodDef mod_methods[] = {
     {"set_status_table", mod_set_status_table, METH_O, "results become these objects (index = code)"},
     {"unlink", mod_unlink, METH_O, "remove a pool's shared-memory name (by pool name)"},
     {"checksum", mod_checksum, METH_VARARGS, "checksum(data, pieces=(), scalar=False) -> int"},
+    {"copy_regions", mod_copy_regions, METH_VARARGS, "copy_regions(dsts, srcs, size): benchmark memcpy baseline"},
     {"entry_size", mod_entry_size, METH_NOARGS, "bytes of metadata per key slot"},
     {NULL},
 };

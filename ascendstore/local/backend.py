@@ -151,6 +151,14 @@ class LocalBackend(Backend):
     def exists(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
         return self._pool.exists(keys, timeout_s)
 
+    def prefix_run(
+        self, prefixes: Sequence[str], suffixes: Sequence[str], timeout_s: float, gallop: bool = False
+    ) -> tuple[Status, int, int]:
+        """The lookup of a prompt in one native call: how many chunks from 0 are
+        present, chunk i being present when every ``prefix + suffixes[i]`` is.
+        Returns (status, chunks, chunks probed); see PoolLookup for ``gallop``."""
+        return self._pool.prefix_run(prefixes, suffixes, gallop, timeout_s)
+
     def put(self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float) -> list[Status]:
         return self._pool.put(keys, regions, timeout_s)
 
