@@ -30,16 +30,16 @@ from collections.abc import Callable
 os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
-import torch  # noqa: E402
-import typer  # noqa: E402
-from harness import Stat, clock, env_info, interleave, per_call_us, ratios, stat  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import torch
+import typer
+from harness import Stat, clock, env_info, interleave, per_call_us, ratios, stat
+from rich.console import Console
+from rich.table import Table
 
-from ascendstore.contract import BackendContext, Region, Status  # noqa: E402
-from ascendstore.local import _shmpool  # noqa: E402
-from ascendstore.local.backend import LocalBackend  # noqa: E402
-from ascendstore.local.options import LocalOptions  # noqa: E402
+from ascendstore.contract import BackendContext, Region, Status
+from ascendstore.local import _shmpool
+from ascendstore.local.backend import LocalBackend
+from ascendstore.local.options import LocalOptions
 
 KiB, MiB = 1 << 10, 1 << 20
 BATCH = 32
