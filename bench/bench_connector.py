@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import typer
 from ascendstore_vllm.metadata import AscendStoreMetadata, ChunkRef, LoadSpec, SaveSpec
 from ascendstore_vllm.testing import EngineHarness, EngineSpec
-from harness import Stat, env_info, interleave, ratios, stat
+from harness import Stat, clock, env_info, interleave, ratios, stat
 from rich.console import Console
 from rich.table import Table
 
@@ -73,9 +72,9 @@ def transfer_ratio(backend: str, num_chunks: int, rounds: int, blocks_per_chunk:
                 for _ in range(3):
                     if before:
                         before()
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     fn()
-                    ts.append(time.perf_counter() - t0)
+                    ts.append(clock() - t0)
                 return nbytes / statistics.median(ts) / 1e9
 
             return sample
@@ -131,11 +130,11 @@ def scheduler_ratio(backend: str, num_requests: int, steps: int) -> dict[str, fl
             fn = getattr(conn, name)
 
             def timed(*a, _fn=fn, **k):
-                t0 = time.perf_counter()
+                t0 = clock()
                 try:
                     return _fn(*a, **k)
                 finally:
-                    spent[0] += time.perf_counter() - t0
+                    spent[0] += clock() - t0
 
             setattr(conn, name, timed)
         for i in range(num_requests):
@@ -146,9 +145,9 @@ def scheduler_ratio(backend: str, num_requests: int, steps: int) -> dict[str, fl
 
         def schedule():
             spent[0] = 0.0
-            t0 = time.perf_counter()
+            t0 = clock()
             out = orig()
-            per_step.append((time.perf_counter() - t0, spent[0]))
+            per_step.append((clock() - t0, spent[0]))
             return out
 
         sched.schedule = schedule
@@ -172,6 +171,9 @@ def _fmt(d: dict, digits: int = 2) -> str:
 @app.command()
 def main(backend: str = "local", quick: bool = False, as_json: bool = typer.Option(False, "--json"),
          rounds: int = typer.Option(0, help="interleaved rounds (0: 7, --quick: 3)")) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # no OpenMP workers spinning on the CPU clock between torch ops
     n = 64 if quick else 192
     rounds = rounds or (3 if quick else 7)
     env0 = env_info()

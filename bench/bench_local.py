@@ -214,11 +214,11 @@ def _s(d: dict, digits: int = 2) -> str:
 def main(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of a table"),
     quick: bool = typer.Option(False, "--quick", help="fewer, shorter rounds"),
-    rounds: int = typer.Option(0, help="interleaved rounds (0: 9, --quick: 5)"),
+    rounds: int = typer.Option(0, help="interleaved rounds (0: 15, --quick: 5)"),
     page_size: int = typer.Option(64 * KiB, help="pool page size in bytes"),
 ) -> None:
-    rounds = rounds or (5 if quick else 9)
-    min_s = 0.03 if quick else 0.06
+    rounds = rounds or (5 if quick else 15)
+    min_s = 0.03 if quick else 0.04  # many short rounds: finer interleaving
     results: dict = {"batch": BATCH, "rounds": rounds, "page_size": page_size, "env_before": env_info()}
     for size, pool in ((64 * KiB, 128 * MiB), (2 * MiB, 256 * MiB)):
         results[f"dram_{size // KiB}KiB"] = bench_dram(size, rounds, min_s, pool, page_size)
