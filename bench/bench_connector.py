@@ -177,8 +177,9 @@ def main(backend: str = "local", quick: bool = False, as_json: bool = typer.Opti
     n = 64 if quick else 192
     rounds = rounds or (3 if quick else 7)
     env0 = env_info()
+    # 192 x 512 KiB, 48 x 2 MiB, a small step of 64 x 512 KiB, and 64 x 4 MiB (128-token blocks)
     transfers = [transfer_ratio(backend, n, rounds, 1), transfer_ratio(backend, n // 4, rounds, 4),
-                 transfer_ratio(backend, 64, rounds, 1, block_size=128)]
+                 transfer_ratio(backend, 64, rounds, 1), transfer_ratio(backend, 64, rounds, 1, block_size=128)]
     s = scheduler_ratio(backend, 256, 8 if quick else 16)
     out = {"transfer": transfers, "scheduler": s, "rounds": rounds, "env_before": env0, "env_after": env_info()}
     if as_json:
