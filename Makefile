@@ -11,7 +11,7 @@ SETUP_INPUTS := $(wildcard requirements/*.txt) pyproject.toml setup.py ascendsto
 	$(wildcard connectors/pyproject.toml backends/*/pyproject.toml conformance/pyproject.toml docs/examples/*/pyproject.toml)
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: setup test test-core test-mooncake demo lint chaos bench clean
+.PHONY: setup test test-core test-mooncake demo lint chaos bench bench-agree bench-peers clean
 
 setup: $(STAMP)
 
@@ -59,7 +59,8 @@ chaos: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
-# Microbenchmarks: each prints ratios against a baseline measured in the same run.
+# Microbenchmarks: each prints ratios against a baseline measured in the same run
+# (configurations interleaved round by round; see bench/harness.py).
 bench: setup
 	$(PY) bench/bench_local.py
 	$(PY) bench/bench_connector.py
@@ -67,5 +68,36 @@ bench: setup
 	$(PY) bench/bench_mooncake.py
 	$(PY) bench/bench_release.py
 
+# Each microbenchmark twice; fails when a ratio's medians differ by more than 10%.
+BENCH_OUT ?= out/bench
+bench-agree: setup
+	mkdir -p $(BENCH_OUT); rc=0; \
+	for i in 1 2; do \
+	  $(PY) bench/bench_local.py --json > $(BENCH_OUT)/local$$i.json || rc=1; \
+	  $(PY) bench/bench_lookup.py --json $(BENCH_OUT)/lookup$$i.json > /dev/null || rc=1; \
+	  $(PY) bench/bench_connector.py --json > $(BENCH_OUT)/connector$$i.json || rc=1; \
+	done; \
+	for b in local lookup connector; do \
+	  echo "== $$b"; $(PY) bench/harness.py agree $(BENCH_OUT)/$${b}1.json $(BENCH_OUT)/$${b}2.json || rc=1; \
+	done; exit $$rc
+
+# The local pool side by side with LMCache 0.5.6 in one process, in a separate
+# environment (LMCache pins its own dependencies; the project's core needs few).
+PEERS_VENV ?= .venv-peers
+PEERS_PY := $(PEERS_VENV)/bin/python
+$(PEERS_VENV)/.stamp: bench/peers-requirements.txt
+	test -x $(PEERS_PY) || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_PY) -m pip --disable-pip-version-check -q install torch==2.13.0
+	$(PEERS_PY) -m pip --disable-pip-version-check -q install --no-deps lmcache==0.5.6
+	$(PEERS_PY) -m pip --disable-pip-version-check -q install -r bench/peers-requirements.txt
+	@# the project's core from this tree (a .pth, no install: the C core built by `make setup`
+	@# or here if missing, never rebuilt under a running benchmark)
+	$(PEERS_PY) -c "import os, site; open(os.path.join(site.getsitepackages()[0], 'ascendstore-tree.pth'), 'w').write(os.getcwd() + '\n')"
+	ls ascendstore/local/_shmpool*.so > /dev/null 2>&1 || $(PEERS_PY) setup.py -q build_ext --inplace
+	touch $@
+
+bench-peers: $(PEERS_VENV)/.stamp
+	LMCACHE_DISABLE_BANNER=1 LMCACHE_TRACK_USAGE=false PYTHONHASHSEED=0 $(PEERS_PY) bench/bench_peers.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info ascendstore/local/*.so
+	rm -rf $(VENV) $(PEERS_VENV) build *.egg-info ascendstore/local/*.so

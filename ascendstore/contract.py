@@ -97,6 +97,29 @@ class Capabilities:
     #: and not this; otherwise loads land in connector-owned buffers
     #: (docs/failure-semantics.md).
     detaches_calls: bool = False
+    #: removed_since() reports objects leaving a tier (eviction, removal, tier moves).
+    removal_events: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RemovalEvent:
+    """An object left a tier of the pool (``Backend.removed_since``).
+
+    ``tier`` is where it was: ``"cpu"`` (DRAM) or ``"disk"``. ``reason`` is
+    ``"evicted"`` (to make room), ``"removed"`` (remove / remove_prefix),
+    ``"spilled"`` (DRAM -> disk: ``moved_to="disk"``, the object is still in
+    the pool), ``"promoted"`` (disk -> DRAM on a hit or a new put: ``moved_to=
+    "cpu"``) or ``"lost"`` (dropped while recovering from a crashed process).
+    ``moved_to`` is the tier that now stores it, None when it left the pool.
+    A value replaced within one tier is no removal and has no record.
+    """
+
+    key: str
+    tier: str
+    reason: str
+    moved_to: str | None = None
+    #: position in the pool's record sequence (gap-free, increasing).
+    seq: int = -1
 
 
 @dataclass
@@ -232,6 +255,15 @@ class Backend(ABC):
     def list_keys(self, prefix: str = "", limit: int = 1000) -> Iterator[str]:
         """At most ``limit`` keys starting with ``prefix`` (only when
         capabilities.listing); nothing after close()."""
+        raise NotImplementedError
+
+    def removed_since(self, cursor: int, limit: int = 4096) -> tuple[int, list[RemovalEvent], int]:
+        """Objects that left a tier since ``cursor`` (only when
+        ``capabilities.removal_events``): ``(next_cursor, events, lost)``, oldest
+        first, at most ``limit``. ``cursor=-1`` starts from now (no events);
+        pass the returned cursor to the next call. ``lost`` counts records
+        overwritten before this reader came back for them (the record buffer
+        is bounded); a reader that lost some should resynchronise its view."""
         raise NotImplementedError
 
     def stats(self) -> Mapping[str, Any]:

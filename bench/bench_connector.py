@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import typer
 from ascendstore_vllm.metadata import AscendStoreMetadata, ChunkRef, LoadSpec, SaveSpec
 from ascendstore_vllm.testing import EngineHarness, EngineSpec
+from harness import Stat, clock, env_info, interleave, ratios, stat
 from rich.console import Console
 from rich.table import Table
 
@@ -38,7 +39,7 @@ def _backend_config(backend: str, capacity_mib: int) -> dict[str, Any]:
     return {"backend": backend}
 
 
-def transfer_ratio(backend: str, num_chunks: int, repeats: int, blocks_per_chunk: int = 1,
+def transfer_ratio(backend: str, num_chunks: int, rounds: int, blocks_per_chunk: int = 1,
                    block_size: int = 16) -> dict[str, float]:
     # 8 layers x 8 KV heads x block_size tokens x (128+128) fp16: 64 KiB per layer-block at
     # 16 tokens (vLLM's GPU default), 512 KiB at 128 (vllm-ascend's usual block size).
@@ -65,36 +66,47 @@ def transfer_ratio(backend: str, num_chunks: int, repeats: int, blocks_per_chunk
         def clear() -> None:
             raw.remove(keys, 30.0)
 
-        res: dict[str, list[float]] = {"conn_put": [], "raw_put": [], "conn_get": [], "raw_get": []}
-        for _ in range(repeats):
-            clear()
-            t0 = time.perf_counter()
-            st = raw.put(keys, regions, 30.0)
-            res["raw_put"].append(time.perf_counter() - t0)
-            assert all(s is Status.OK for s in st), st[:3]
-            t0 = time.perf_counter()
-            st = raw.get(keys, regions, 30.0)
-            res["raw_get"].append(time.perf_counter() - t0)
-            assert all(s is Status.OK for s in st)
-            clear()
-            t0 = time.perf_counter()
+        def timed(fn: Callable[[], None], before: Callable[[], None] | None = None) -> Callable[[], float]:
+            def sample() -> float:  # GB/s: median of 3 calls (each call moves every object once)
+                ts = []
+                for _ in range(3):
+                    if before:
+                        before()
+                    t0 = clock()
+                    fn()
+                    ts.append(clock() - t0)
+                return nbytes / statistics.median(ts) / 1e9
+
+            return sample
+
+        def raw_put() -> None:
+            assert raw.put(keys, regions, 30.0) == [Status.OK] * len(keys)
+
+        def raw_get() -> None:
+            assert raw.get(keys, regions, 30.0) == [Status.OK] * len(keys)
+
+        def conn_put() -> None:
             w.bind(AscendStoreMetadata(saves=[SaveSpec("bench", tenant, chunks)]))
             w.wait_for_save()
             assert w.engine.wait("save", ["bench"], 60)
-            res["conn_put"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
+
+        def conn_get() -> None:
             w.bind(AscendStoreMetadata(loads=[LoadSpec("bench", tenant, chunks)]))
             w.start_load_kv(None)
-            res["conn_get"].append(time.perf_counter() - t0)
             assert not w.take_load_errors()
+
+        # Every put case clears the keys first (outside the timing), and stores the
+        # same bytes under the same keys, so any get finds them whatever ran before.
+        cases = {"raw put": timed(raw_put, clear), "conn put": timed(conn_put, clear),
+                 "raw get": timed(raw_get), "conn get": timed(conn_get)}
+        raw_put()
+        s = interleave(cases, rounds)
         clear()
         raw.close()
-        # Best of the repeats (the first is a warm-up for both sides): this
-        # machine is shared, and the best run is the least disturbed one.
-        gbps = {k: nbytes / min(v[1:] or v) / 1e9 for k, v in res.items()}
-        return {**gbps, "put_ratio": gbps["conn_put"] / gbps["raw_put"],
-                "get_ratio": gbps["conn_get"] / gbps["raw_get"], "object_bytes": nbytes / num_chunks,
-                "objects": num_chunks, "blocks_per_chunk": bpc, "block_size": block_size}
+        return {"gbps": {k: stat(v).as_dict() for k, v in s.items()},
+                "ratio": {op: ratios(s[f"conn {op}"], s[f"raw {op}"]).as_dict() for op in ("put", "get")},
+                "object_bytes": nbytes / num_chunks, "objects": num_chunks, "blocks_per_chunk": bpc,
+                "block_size": block_size}
     finally:
         eng.close()
 
@@ -118,11 +130,11 @@ def scheduler_ratio(backend: str, num_requests: int, steps: int) -> dict[str, fl
             fn = getattr(conn, name)
 
             def timed(*a, _fn=fn, **k):
-                t0 = time.perf_counter()
+                t0 = clock()
                 try:
                     return _fn(*a, **k)
                 finally:
-                    spent[0] += time.perf_counter() - t0
+                    spent[0] += clock() - t0
 
             setattr(conn, name, timed)
         for i in range(num_requests):
@@ -133,9 +145,9 @@ def scheduler_ratio(backend: str, num_requests: int, steps: int) -> dict[str, fl
 
         def schedule():
             spent[0] = 0.0
-            t0 = time.perf_counter()
+            t0 = clock()
             out = orig()
-            per_step.append((time.perf_counter() - t0, spent[0]))
+            per_step.append((clock() - t0, spent[0]))
             return out
 
         sched.schedule = schedule
@@ -146,36 +158,50 @@ def scheduler_ratio(backend: str, num_requests: int, steps: int) -> dict[str, fl
         sched_t = statistics.median(s for s, _ in steady)
         conn_t = statistics.median(c for _, c in steady)
         return {"running": running, "schedule_ms": sched_t * 1e3, "connector_ms": conn_t * 1e3,
-                "ratio": conn_t / sched_t, "ratio_vs_rest": conn_t / max(sched_t - conn_t, 1e-9)}
+                "ratio": conn_t / sched_t, "ratio_vs_rest": conn_t / max(sched_t - conn_t, 1e-9),
+                "ratio_per_step": stat(c / s for s, c in steady).as_dict()}
     finally:
         eng.close()
 
 
+def _fmt(d: dict, digits: int = 2) -> str:
+    return Stat(d["median"], d["min"], d["max"], d["n"]).fmt(digits)
+
+
 @app.command()
-def main(backend: str = "local", quick: bool = False, as_json: bool = typer.Option(False, "--json")) -> None:
+def main(backend: str = "local", quick: bool = False, as_json: bool = typer.Option(False, "--json"),
+         rounds: int = typer.Option(0, help="interleaved rounds (0: 7, --quick: 3)")) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # no OpenMP workers spinning on the CPU clock between torch ops
     n = 64 if quick else 192
-    rounds = 3 if quick else 7
+    rounds = rounds or (3 if quick else 7)
+    env0 = env_info()
+    # 192 x 512 KiB, 48 x 2 MiB, a small step of 64 x 512 KiB, and 64 x 4 MiB (128-token blocks)
     transfers = [transfer_ratio(backend, n, rounds, 1), transfer_ratio(backend, n // 4, rounds, 4),
-                 transfer_ratio(backend, n // 4, rounds, 1, block_size=128)]
+                 transfer_ratio(backend, 64, rounds, 1), transfer_ratio(backend, 64, rounds, 1, block_size=128)]
     s = scheduler_ratio(backend, 256, 8 if quick else 16)
+    out = {"transfer": transfers, "scheduler": s, "rounds": rounds, "env_before": env0, "env_after": env_info()}
     if as_json:
-        print(json.dumps({"transfer": transfers, "scheduler": s}))
+        print(json.dumps(out, indent=2))
         return
-    c = Console()
-    tab = Table(title=f"connector path vs raw {backend} client, same objects and regions")
+    c = Console(width=160)
+    tab = Table(title=f"connector path vs raw {backend} client, same objects and regions; GB/s median (min..max) "
+                f"±half-spread over {rounds} interleaved rounds; ratio per round")
     for col in ("op", "objects", "connector GB/s", "raw GB/s", "ratio (goal >= 0.9)"):
         tab.add_column(col)
     for t in transfers:
         for op in ("put", "get"):
             shape = f"{t['objects']} x {t['object_bytes'] / 1024:.0f} KiB ({t['blocks_per_chunk']} x {t['block_size']}-token blk)"
-            tab.add_row(op, shape,
-                        f"{t['conn_' + op]:.2f}", f"{t['raw_' + op]:.2f}", f"{t[op + '_ratio']:.2f}")
+            tab.add_row(op, shape, _fmt(t["gbps"][f"conn {op}"]), _fmt(t["gbps"][f"raw {op}"]), _fmt(t["ratio"][op]))
     c.print(tab)
     tab = Table(title=f"scheduler side, {s['running']} running requests")
-    for col in ("schedule() ms", "connector ms", "connector / schedule() (goal <= 0.10)"):
+    for col in ("schedule() ms", "connector ms", "connector / schedule() (goal <= 0.10)", "per step"):
         tab.add_column(col)
-    tab.add_row(f"{s['schedule_ms']:.3f}", f"{s['connector_ms']:.3f}", f"{s['ratio']:.3f}")
+    tab.add_row(f"{s['schedule_ms']:.3f}", f"{s['connector_ms']:.3f}", f"{s['ratio']:.3f}",
+                _fmt(s["ratio_per_step"], 3))
     c.print(tab)
+    c.print(f"load average before {env0['loadavg']}, after {out['env_after']['loadavg']}")
 
 
 if __name__ == "__main__":

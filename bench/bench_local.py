@@ -1,19 +1,30 @@
 """Throughput of the embedded ``local`` pool against memcpy measured in the same run.
 
-Each pool figure includes the copy between the caller's memory and the pool. The
-baseline is a single-thread chunked memcpy (``ctypes.memmove`` per object, object
-addresses precomputed) of the same bytes between buffers of the same sizes as the
-pool's working set, so caches help both sides equally. Bounded: a few seconds.
+Every figure is GB/s of one batch call (``BATCH`` objects) repeated for
+``min_s``; all configurations of an object size run interleaved round by round
+(bench/harness.py), after a warm-up round that is not timed. Baselines are the
+same kind of call as a pool put/get:
 
-    .venv/bin/python bench/bench_local.py [--json] [--quick]
+- ``memcpy``: one C call per batch (``_shmpool.copy_regions``) doing one memcpy
+  per object, between the caller's buffer and a mirror of the pool's working
+  set in ordinary (anonymous) memory;
+- ``memcpy/obj``: the same binding called once per object (what a caller
+  without a batched API pays);
+- ``memcpy shm``: the bulk call into a mirror in /dev/shm, the kind of memory
+  the pool lives in (shared memory gets no transparent huge pages on this host
+  unless shmem_enabled allows it, anonymous memory does).
+
+Ratios are taken per round (pool and baseline of the same round) and reported
+as median (min..max) with the spread. Bounded: about a minute (``--quick``: 15 s).
+
+    .venv/bin/python bench/bench_local.py [--json] [--quick] [--rounds N]
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
+import mmap
 import os
-import statistics
 import tempfile
 import time
 import uuid
@@ -21,10 +32,12 @@ from collections.abc import Callable
 
 import numpy as np
 import typer
+from harness import Stat, env_info, interleave, rate, ratios, stat
 from rich.console import Console
 from rich.table import Table
 
 from ascendstore.contract import BackendContext, Region, Status
+from ascendstore.local import _shmpool
 from ascendstore.local.backend import LocalBackend
 from ascendstore.local.options import LocalOptions
 
@@ -33,110 +46,125 @@ BATCH = 32
 app = typer.Typer(add_completion=False)
 
 
-def _rate(fn: Callable[[], int], min_s: float) -> float:
-    """GB/s of repeating fn (which returns bytes moved) for at least min_s."""
-    done, t0 = 0, time.perf_counter()
-    while True:
-        done += fn()
-        dt = time.perf_counter() - t0
-        if dt >= min_s:
-            return done / dt / 1e9
-
-
-def _pair(
-    base: Callable[[], int], pool: Callable[[], int], rounds: int, min_s: float
-) -> tuple[float, float, float]:
-    """Baseline and pool measured alternately (the host is shared and noisy):
-    median baseline GB/s, median pool GB/s, median of the per-round ratios."""
-    b, p = [], []
-    for _ in range(rounds):
-        b.append(_rate(base, min_s))
-        p.append(_rate(pool, min_s))
-    return (
-        statistics.median(b),
-        statistics.median(p),
-        statistics.median(y / x for x, y in zip(b, p, strict=True)),
-    )
-
-
 def _open(**kw) -> LocalBackend:
     opts = LocalOptions(name=f"bench-{uuid.uuid4().hex[:8]}", **kw)
     return LocalBackend.create(opts, BackendContext())
 
 
-def bench_dram(size: int, checksum: bool, rounds: int, min_s: float, pool_bytes: int) -> dict:
-    be = _open(capacity=pool_bytes, page_size=64 * KiB, checksum=checksum, prefault=True)
+class _ShmMirror:
+    """A /dev/shm mapping of ``size`` bytes (the pool's kind of memory), prefaulted."""
+
+    def __init__(self, size: int) -> None:
+        fd, path = tempfile.mkstemp(prefix="ascendstore-bench-", dir="/dev/shm")
+        try:
+            os.ftruncate(fd, size)
+            self.mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+            os.unlink(path)
+        self.buf = np.frombuffer(self.mm, dtype=np.uint8)
+        self.buf[:] = 1
+        self.addr = self.buf.ctypes.data
+
+
+def bench_dram(size: int, rounds: int, min_s: float, pool_bytes: int, page_size: int) -> dict:
+    """put and get with checksum off and on, against the three memcpy baselines."""
+    pools = {
+        ck: _open(capacity=pool_bytes, page_size=page_size, checksum=ck == "on", prefault=True)
+        for ck in ("off", "on")
+    }
     try:
         n_keys = (pool_bytes * 3 // 4) // size // BATCH * BATCH
-        keys = [f"bench/{size}/{i}" for i in range(n_keys)]
+        batches = [[f"bench/{size}/{i + b}" for i in range(BATCH)] for b in range(0, n_keys, BATCH)]
         user = np.random.default_rng(0).integers(0, 255, BATCH * size, dtype=np.uint8)
-        mirror = np.zeros(n_keys * size, dtype=np.uint8)  # baseline's stand-in for the pool
         ua = [user.ctypes.data + j * size for j in range(BATCH)]
-        ma = [mirror.ctypes.data + i * size for i in range(n_keys)]
         regions = [[Region(a, size)] for a in ua]
-        batches = [keys[i : i + BATCH] for i in range(0, n_keys, BATCH)]
-        state = {"b": 0}
+        anon = np.ones(n_keys * size, dtype=np.uint8)  # baseline's stand-in for the pool
+        shm = _ShmMirror(n_keys * size)
+        mirrors = {"anon": anon.ctypes.data, "shm": shm.addr}
+        maddr = {
+            m: [[base + (b * BATCH + j) * size for j in range(BATCH)] for b in range(len(batches))]
+            for m, base in mirrors.items()
+        }
+        nbytes = BATCH * size
+        turn: dict[str, int] = {}
 
-        def pool_put() -> int:
-            b = state["b"] = (state["b"] + 1) % len(batches)
-            st = be.put(batches[b], regions, 5.0)
-            assert all(s is Status.OK for s in st), st
-            return BATCH * size
+        def nxt(name: str) -> int:  # each case walks the working set on its own
+            b = turn[name] = (turn.get(name, -1) + 1) % len(batches)
+            return b
 
-        def pool_get() -> int:
-            b = state["b"] = (state["b"] + 1) % len(batches)
-            st = be.get(batches[b], regions, 5.0)
-            assert all(s is Status.OK for s in st), st
-            return BATCH * size
+        def pool_op(op: str, ck: str) -> Callable[[], int]:
+            be, name = pools[ck], f"{op}-{ck}"
+            call = be.put if op == "put" else be.get
 
-        def memcpy_in() -> int:
-            b = state["b"] = (state["b"] + 1) % len(batches)
-            base = b * BATCH
-            for j in range(BATCH):
-                ctypes.memmove(ma[base + j], ua[j], size)
-            return BATCH * size
+            def fn() -> int:
+                st = call(batches[nxt(name)], regions, 5.0)
+                assert st == [Status.OK] * BATCH, st
+                return nbytes
 
-        def memcpy_out() -> int:
-            b = state["b"] = (state["b"] + 1) % len(batches)
-            base = b * BATCH
-            for j in range(BATCH):
-                ctypes.memmove(ua[j], ma[base + j], size)
-            return BATCH * size
+            return fn
 
-        for _ in range(len(batches)):  # fill every page once (first touch is not what we measure)
-            pool_put()
-            memcpy_in()
-        out: dict = {}
-        out["memcpy_in"], out["put"], out["put_ratio"] = _pair(memcpy_in, pool_put, rounds, min_s)
-        out["memcpy_out"], out["get"], out["get_ratio"] = _pair(memcpy_out, pool_get, rounds, min_s)
-        # byte-exact check of what the bench measured
-        check = np.zeros_like(user)
-        be.put(batches[0], regions, 5.0)
-        assert all(
-            s is Status.OK
-            for s in be.get(
-                batches[0], [[Region(check.ctypes.data + j * size, size)] for j in range(BATCH)], 5.0
-            )
-        )
-        assert np.array_equal(check, user)
+        def memcpy(to_pool: bool, mirror: str, per_object: bool) -> Callable[[], int]:
+            name = f"memcpy-{to_pool}-{mirror}-{per_object}"
+            cr = _shmpool.copy_regions
+
+            def fn() -> int:
+                ma = maddr[mirror][nxt(name)]
+                dst, src = (ma, ua) if to_pool else (ua, ma)
+                if per_object:
+                    for d, s in zip(dst, src, strict=True):
+                        cr((d,), (s,), size)
+                else:
+                    cr(dst, src, size)
+                return nbytes
+
+            return fn
+
+        for be in pools.values():  # every object stored once: first touch is not what we measure
+            for b in batches:
+                assert be.put(b, regions, 5.0) == [Status.OK] * BATCH
+        cases: dict[str, Callable[[], int]] = {}
+        for op, to_pool in (("put", True), ("get", False)):
+            cases[f"{op} checksum off"] = pool_op(op, "off")
+            cases[f"{op} checksum on"] = pool_op(op, "on")
+            cases[f"{op}: memcpy"] = memcpy(to_pool, "anon", False)
+            cases[f"{op}: memcpy/obj"] = memcpy(to_pool, "anon", True)
+            cases[f"{op}: memcpy shm"] = memcpy(to_pool, "shm", False)
+        samples = interleave({k: (lambda f=f: rate(f, min_s) / 1e9) for k, f in cases.items()}, rounds)
+        out: dict = {"gbps": {k: stat(v).as_dict() for k, v in samples.items()}, "ratio": {}}
+        for op in ("put", "get"):
+            for ck in ("off", "on"):
+                for base in ("memcpy", "memcpy/obj", "memcpy shm"):
+                    r = ratios(samples[f"{op} checksum {ck}"], samples[f"{op}: {base}"])
+                    out["ratio"][f"{op} checksum {ck} / {base}"] = r.as_dict()
+        # byte-exact check of what was measured
+        for be in pools.values():
+            check = np.zeros_like(user)
+            cregions = [[Region(check.ctypes.data + j * size, size)] for j in range(BATCH)]
+            assert be.get(batches[0], cregions, 5.0) == [Status.OK] * BATCH
+            assert np.array_equal(check, user)
         return out
     finally:
-        be.destroy()
+        for be in pools.values():
+            be.destroy()
 
 
-def bench_exists(n: int, calls: int) -> float:
+def bench_exists(n: int, calls: int, rounds: int) -> dict:
     be = _open(capacity=64 * MiB, page_size=4 * KiB, checksum=False, max_keys=4 * n)
     try:
         buf = np.zeros(4096, dtype=np.uint8)
         keys = [f"model@1@0@{i:064x}@bfloat16" for i in range(n)]
         be.put(keys, [[Region(buf.ctypes.data, 4096)]] * n, 5.0)
-        times = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            st = be.exists(keys, 5.0)
-            times.append(time.perf_counter() - t0)
-        assert all(s is Status.OK for s in st)
-        return statistics.median(times) * 1e6
+
+        def one() -> float:
+            ts = []
+            for _ in range(calls):
+                t0 = time.perf_counter_ns()
+                be.exists(keys, 5.0)
+                ts.append((time.perf_counter_ns() - t0) / 1e3)
+            return float(np.median(ts))
+
+        return stat(interleave({"exists": one}, rounds)["exists"]).as_dict()
     finally:
         be.destroy()
 
@@ -148,24 +176,29 @@ def bench_disk(size: int, total: int, rounds: int) -> dict:
             user = np.random.default_rng(1).integers(0, 255, BATCH * size, dtype=np.uint8)
             regions = [[Region(user.ctypes.data + j * size, size)] for j in range(BATCH)]
             n = total // size // BATCH * BATCH
-            puts, gets = [], []
-            for r in range(rounds):
-                keys = [f"disk/{r}/{i}" for i in range(n)]
+            rnd = iter(range(10**6))
+            keys: list[str] = []
+
+            def put() -> float:
+                keys[:] = [f"disk/{next(rnd)}/{i}" for i in range(n)]
                 t0 = time.perf_counter()
                 for i in range(0, n, BATCH):
                     assert all(s is Status.OK for s in be.put(keys[i : i + BATCH], regions, 5.0))
-                puts.append(n * size / (time.perf_counter() - t0) / 1e9)
+                return n * size / (time.perf_counter() - t0) / 1e9
+
+            def get() -> float:
                 # the oldest objects are on disk now: read them back (each hit is also promoted)
                 t0 = time.perf_counter()
                 got = 0
                 for i in range(0, n // 2, BATCH):
-                    st = be.get(keys[i : i + BATCH], regions, 5.0)
-                    got += sum(s is Status.OK for s in st)
-                gets.append(got * size / (time.perf_counter() - t0) / 1e9)
+                    got += sum(s is Status.OK for s in be.get(keys[i : i + BATCH], regions, 5.0))
+                return got * size / (time.perf_counter() - t0) / 1e9
+
+            res = interleave({"put": put, "get": get}, rounds, warmup=0)  # put must precede get
             stats = be.stats()
             return {
-                "put": statistics.median(puts),
-                "get": statistics.median(gets),
+                "put_gbps": stat(res["put"]).as_dict(),
+                "get_gbps": stat(res["get"]).as_dict(),
                 "spills": stats["spills"],
                 "disk_hits": stats["disk_hits"],
             }
@@ -173,47 +206,62 @@ def bench_disk(size: int, total: int, rounds: int) -> dict:
             be.destroy()
 
 
+def _s(d: dict, digits: int = 2) -> str:
+    return Stat(d["median"], d["min"], d["max"], d["n"]).fmt(digits)
+
+
 @app.command()
 def main(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of a table"),
     quick: bool = typer.Option(False, "--quick", help="fewer, shorter rounds"),
+    rounds: int = typer.Option(0, help="interleaved rounds (0: 15, --quick: 5)"),
+    page_size: int = typer.Option(64 * KiB, help="pool page size in bytes"),
 ) -> None:
-    rounds, min_s = (5, 0.03) if quick else (11, 0.06)
-    results: dict = {"batch": BATCH}
+    rounds = rounds or (5 if quick else 15)
+    min_s = 0.03 if quick else 0.04  # many short rounds: finer interleaving
+    results: dict = {"batch": BATCH, "rounds": rounds, "page_size": page_size, "env_before": env_info()}
     for size, pool in ((64 * KiB, 128 * MiB), (2 * MiB, 256 * MiB)):
-        for checksum in (False, True):
-            results[f"dram_{size // KiB}KiB_checksum_{'on' if checksum else 'off'}"] = bench_dram(
-                size, checksum, rounds, min_s, pool
-            )
-    results["exists_512_median_us"] = bench_exists(512, 50 if quick else 300)
-    results["disk_64KiB"] = bench_disk(64 * KiB, 64 * MiB if quick else 128 * MiB, 1 if quick else 2)
+        results[f"dram_{size // KiB}KiB"] = bench_dram(size, rounds, min_s, pool, page_size)
+    results["exists_512_us"] = bench_exists(512, 20 if quick else 60, rounds)
+    results["disk_64KiB"] = bench_disk(64 * KiB, 32 * MiB if quick else 64 * MiB, 2 if quick else 3)
+    results["env_after"] = env_info()
     if as_json:
         print(json.dumps(results, indent=2))
         return
-    con = Console(width=120)
-    t = Table(title=f"local pool vs memcpy (batches of {BATCH}; GB/s, ratio = pool / memcpy)")
-    for col in ("object", "checksum", "memcpy in", "put", "put ratio", "memcpy out", "get", "get ratio"):
+    con = Console(width=160)
+    t = Table(
+        title=f"local pool vs memcpy, batches of {BATCH}, {rounds} interleaved rounds: "
+        "median (min..max) ±half-spread; ratio = pool / baseline of the same round"
+    )
+    for col in ("object", "op", "checksum", "pool GB/s", "÷ memcpy", "÷ memcpy/obj", "÷ memcpy shm"):
         t.add_column(col, justify="right", no_wrap=True)
     for name, r in results.items():
-        if name.startswith("dram_"):
-            _, size, _, ck = name.split("_")
-            t.add_row(
-                size,
-                ck,
-                f"{r['memcpy_in']:.2f}",
-                f"{r['put']:.2f}",
-                f"{r['put_ratio']:.2f}x",
-                f"{r['memcpy_out']:.2f}",
-                f"{r['get']:.2f}",
-                f"{r['get_ratio']:.2f}x",
+        if not name.startswith("dram_"):
+            continue
+        for op in ("put", "get"):
+            for ck in ("off", "on"):
+                rr = r["ratio"]
+                t.add_row(
+                    name.split("_")[1],
+                    op,
+                    ck,
+                    _s(r["gbps"][f"{op} checksum {ck}"]),
+                    *(_s(rr[f"{op} checksum {ck} / {b}"]) for b in ("memcpy", "memcpy/obj", "memcpy shm")),
+                )
+        for op in ("put", "get"):
+            g = r["gbps"]
+            con.print(
+                f"{name.split('_')[1]} {op} baselines GB/s: memcpy {_s(g[f'{op}: memcpy'])}, "
+                f"memcpy/obj {_s(g[f'{op}: memcpy/obj'])}, memcpy shm {_s(g[f'{op}: memcpy shm'])}"
             )
     con.print(t)
     d = results["disk_64KiB"]
-    con.print(f"exists of 512 keys: median {results['exists_512_median_us']:.1f} us")
+    con.print(f"exists of 512 keys: {_s(results['exists_512_us'], 1)} us")
     con.print(
-        f"disk tier 64 KiB: put {d['put']:.2f} GB/s (every put spills an LRU object), "
-        f"get {d['get']:.2f} GB/s (read from disk + promotion), spills {d['spills']}, disk hits {d['disk_hits']}"
+        f"disk tier 64 KiB: put {_s(d['put_gbps'])} GB/s (every put spills an LRU object), "
+        f"get {_s(d['get_gbps'])} GB/s (read from disk + promotion), spills {d['spills']}, disk hits {d['disk_hits']}"
     )
+    con.print(f"load average before {results['env_before']['loadavg']}, after {results['env_after']['loadavg']}")
 
 
 if __name__ == "__main__":

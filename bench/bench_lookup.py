@@ -1,17 +1,27 @@
-"""Lookup latency as prompts grow from 4k to 128k tokens.
+"""Lookup latency as prompts grow from 4k to 128k tokens, against the raw exists.
 
-The scheduler asks "how much of this prompt is in the pool?" once per request,
-with one batched existence query (``PoolLookup.prefix_hits``). This benchmark
-times that call for prompts of 4k..128k tokens against the baseline measured in
-the same run: the raw backend's batched ``exists`` for the same keys (no key
-building, no deadline guard). It prints percentiles and the ratio lookup/raw.
+The scheduler asks "how much of this prompt is in the pool?" once per waiting
+request per step. Three parts, every configuration of a row interleaved round by
+round (bench/harness.py), a warm-up round outside the timing, each sample the
+median of ``--calls`` calls, ratios per round:
 
-Scenarios: ``hit`` (every chunk present: the whole prompt is queried and
-found), ``miss`` (nothing present), ``half`` (the first half present).
+1. ``PoolLookup.prefix_hits`` for prompts of 4k..128k tokens, scenarios ``hit``
+   (all present), ``half`` (first half present), ``miss`` (none), against the
+   baseline: the raw backend's batched ``exists`` of the same keys, prebuilt.
+   Paths: ``scan`` (the backend's native prefix scan, hex hashes), ``scan/bytes``
+   (raw hashes, as the scheduler passes them), ``exists`` (the generic path:
+   key strings + one batched exists + first miss in Python).
+2. The connector's whole ``get_num_new_matched_tokens`` for a real vLLM
+   ``Request`` of 128k tokens (16-token blocks, 128-token chunks: the hash chain
+   of 8192 blocks), through vLLM's scheduler-side connector, against the raw
+   exists of the prompt's 1024 keys.
+3. Linear scan vs galloping search under eviction holes (``--holes``): a
+   prompt whose chunks are all stored, then a fraction removed at random; per
+   hole rate: probes, time, how often galloping overcounts the run and by how
+   many chunks (those loads fail and are recomputed).
 
-    .venv/bin/python bench/bench_lookup.py                 # local backend
+    .venv/bin/python bench/bench_lookup.py [--json out.json] [--quick]
     .venv/bin/python bench/bench_lookup.py --layers 32     # layerwise keys: 32 objects per chunk
-    .venv/bin/python bench/bench_lookup.py --backend mooncake --backend-config '{...}'
 """
 
 from __future__ import annotations
@@ -19,11 +29,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import statistics
-import time
+import os
+import random
 import uuid
+from collections.abc import Callable
 
 import numpy as np
+from harness import Stat, env_info, interleave, per_call_us, ratios, stat
 from rich.console import Console
 from rich.table import Table
 
@@ -32,30 +44,183 @@ from ascendstore.engine import BackendGuard, KeyBuilder, PoolLookup
 from ascendstore.keys import RankPart, tenant_id
 from ascendstore.registry import create_backend
 
-PROMPTS = [4096, 8192, 16384, 32768, 65536, 131072]
+PROMPTS = [4096, 16384, 65536, 131072]
 
 
-def chunk_hashes(n: int, salt: str) -> list[str]:
+def chunk_hashes(n: int, salt: str) -> list[bytes]:
     # Chained like vLLM's: each hash covers its prefix. Content does not matter here.
     out, h = [], hashlib.sha256(salt.encode()).digest()
     for i in range(n):
         h = hashlib.sha256(h + i.to_bytes(8, "little")).digest()
-        out.append(h.hex())
+        out.append(h)
     return out
 
 
-def timed(fn, repeat: int) -> list[float]:  # type: ignore[no-untyped-def]
-    fn()  # warm up
-    out = []
-    for _ in range(repeat):
-        t0 = time.perf_counter_ns()
-        fn()
-        out.append((time.perf_counter_ns() - t0) / 1e3)
-    return out
+def _fmt(s: dict | Stat, digits: int = 0) -> str:
+    if isinstance(s, dict):
+        s = Stat(s["median"], s["min"], s["max"], s["n"])
+    return s.fmt(digits)
 
 
-def pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(xs), q))
+def _put_all(backend, keys: list[str], region) -> None:  # type: ignore[no-untyped-def]
+    for i in range(0, len(keys), 512):
+        batch = keys[i : i + 512]
+        st = backend.put(batch, [region] * len(batch), 5.0)
+        if any(s is not Status.OK for s in st):
+            raise SystemExit(f"setup put failed: {next(s for s in st if s is not Status.OK).name}")
+
+
+def part_prompts(args, backend, guard, keys: KeyBuilder, region) -> list[dict]:  # type: ignore[no-untyped-def]
+    tenant = tenant_id(f"bench-{uuid.uuid4().hex}")
+    scan = PoolLookup(guard, keys, 5.0)
+    generic = PoolLookup(guard, keys, 5.0)
+    generic._scan = None  # the path of backends without a native scan
+    prompts = [p for p in PROMPTS if p <= args.max_tokens]
+    allh = chunk_hashes(prompts[-1] // args.block_size, tenant)
+    _put_all(backend, keys.lookup_keys_flat(tenant, [h.hex() for h in allh])[0], region)
+    rows = []
+    for tokens in prompts:
+        n = tokens // args.block_size
+        for scenario in ("hit", "half", "miss"):
+            if scenario == "hit":
+                t, hs = tenant, allh[:n]
+            elif scenario == "miss":
+                t, hs = tenant_id(f"miss-{tokens}"), allh[:n]
+            else:  # the first half present, the rest unknown
+                t, hs = tenant, allh[: n // 2] + chunk_hashes(n - n // 2, f"other-{tokens}")
+            hexes = [h.hex() for h in hs]
+            qkeys = keys.lookup_keys_flat(t, hexes)[0]
+            expect = {"hit": n, "half": n // 2, "miss": 0}[scenario]
+            for lk, q in ((scan, hexes), (scan, hs), (generic, hexes)):
+                got = lk.prefix_hits(t, q)
+                assert got == expect, f"{scenario}: prefix_hits={got}, expected {expect}"
+            cases: dict[str, Callable[[], float]] = {
+                "raw": lambda qk=qkeys: per_call_us(lambda: backend.exists(qk, 5.0), args.calls),
+                "scan": lambda t=t, q=hexes: per_call_us(lambda: scan.prefix_hits(t, q), args.calls),
+                "scan/bytes": lambda t=t, q=hs: per_call_us(lambda: scan.prefix_hits(t, q), args.calls),
+                "exists": lambda t=t, q=hexes: per_call_us(lambda: generic.prefix_hits(t, q), args.calls),
+            }
+            s = interleave(cases, args.rounds)
+            rows.append(
+                {
+                    "tokens": tokens,
+                    "chunks": n,
+                    "keys": len(qkeys),
+                    "scenario": scenario,
+                    "us": {k: stat(v).as_dict() for k, v in s.items()},
+                    "ratio": {k: ratios(s[k], s["raw"]).as_dict() for k in ("scan", "scan/bytes", "exists")},
+                }
+            )
+    backend.remove_prefix(f"as1@{tenant}@", 10.0)
+    return rows
+
+
+def part_scheduler(args) -> dict:  # type: ignore[no-untyped-def]
+    """get_num_new_matched_tokens of a real 128k-token vLLM Request."""
+    from ascendstore_vllm.testing import EngineHarness, EngineSpec
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    tokens = min(131072, args.max_tokens)
+    os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # the tiny local model says 4096 positions
+    extra = {
+        "backend": "local",
+        "backend_config": {"name": "bench-" + uuid.uuid4().hex[:8], "capacity": "64MiB", "page_size": "4KiB"},
+        "chunk_size": 128,
+    }
+    spec = EngineSpec(extra_config=extra, num_layers=1, num_heads=1, num_kv_heads=1, head_size=8, block_size=16,
+                      num_blocks=tokens // 16 + 64, max_model_len=tokens + 256, max_num_batched_tokens=8192)
+    eng = EngineHarness(spec, check_reads=False)
+    try:
+        conn = eng.connector
+        sched = conn.scheduler
+        rng = random.Random(0)
+        req = Request("bench", [rng.randrange(3, 30000) for _ in range(tokens)], SamplingParams(max_tokens=1),
+                      None, block_hasher=eng.block_hasher)
+        bpc = sched.ctx.blocks_per_chunk
+        hexes = [bytes(h).hex() for h in req.block_hashes[bpc - 1 :: bpc]]
+        tenant = sched.ctx.tenant(req.cache_salt)
+        flat = sched.ctx.key_builder().lookup_keys_flat(tenant, hexes)[0]
+        backend = sched._guard.backend
+        payload = np.zeros(64, dtype=np.uint8)
+        _put_all(backend, flat, [Region(payload.ctypes.data, 64)])
+        got, _ = conn.get_num_new_matched_tokens(req, 0)
+        assert got == tokens - 1, got  # every chunk hit; vLLM computes the last token
+        cases = {
+            "raw": lambda: per_call_us(lambda: backend.exists(flat, 5.0), args.calls),
+            "matched_tokens": lambda: per_call_us(lambda: conn.get_num_new_matched_tokens(req, 0), args.calls),
+        }
+        s = interleave(cases, args.rounds)
+        return {
+            "tokens": tokens,
+            "blocks": len(req.block_hashes),
+            "keys": len(flat),
+            "us": {k: stat(v).as_dict() for k, v in s.items()},
+            "ratio": ratios(s["matched_tokens"], s["raw"]).as_dict(),
+        }
+    finally:
+        eng.close()
+
+
+def part_holes(args, backend, guard, keys: KeyBuilder, region) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Linear scan vs galloping search when eviction left holes in a stored prefix."""
+    n = min(131072, args.max_tokens) // args.block_size
+    linear = PoolLookup(guard, keys, 5.0, probe="linear")
+    gallop = PoolLookup(guard, keys, 5.0, probe="gallop")
+    rows = []
+    rng = random.Random(1)
+    for rate in args.holes:
+        trials = []
+        for trial in range(args.hole_trials):
+            tenant = tenant_id(f"holes-{rate}-{trial}-{uuid.uuid4().hex[:6]}")
+            hs = chunk_hashes(n, tenant)
+            hexes = [h.hex() for h in hs]
+            flat = keys.lookup_keys_flat(tenant, hexes)[0]
+            _put_all(backend, flat, region)
+            holes = [i for i in range(n) if rng.random() < rate]
+            width = len(flat) // n
+            backend.remove([k for i in holes for k in flat[i * width : (i + 1) * width]], 5.0)
+            exact = linear.prefix_hits(tenant, hs)
+            assert exact == (holes[0] if holes else n)
+            m0 = guard.metrics.totals()["lookup_keys"]
+            lin = linear.prefix_hits(tenant, hs)
+            m1 = guard.metrics.totals()["lookup_keys"]
+            gal = gallop.prefix_hits(tenant, hs)
+            m2 = guard.metrics.totals()["lookup_keys"]
+            s = interleave(
+                {
+                    "linear": lambda t=tenant, q=hs: per_call_us(lambda: linear.prefix_hits(t, q), args.calls),
+                    "gallop": lambda t=tenant, q=hs: per_call_us(lambda: gallop.prefix_hits(t, q), args.calls),
+                },
+                max(3, args.rounds // 2),
+            )
+            trials.append(
+                {
+                    "exact": exact,
+                    "gallop": gal,
+                    "linear_probes": (m1 - m0) / width,
+                    "gallop_probes": (m2 - m1) / width,
+                    "linear_us": stat(s["linear"]).median,
+                    "gallop_us": stat(s["gallop"]).median,
+                }
+            )
+            assert lin == exact
+            backend.remove_prefix(f"as1@{tenant}@", 10.0)
+        over = [t for t in trials if t["gallop"] > t["exact"]]
+        rows.append(
+            {
+                "hole_rate": rate,
+                "trials": len(trials),
+                "exact_chunks": stat(t["exact"] for t in trials).as_dict(),
+                "linear_probes": stat(t["linear_probes"] for t in trials).as_dict(),
+                "gallop_probes": stat(t["gallop_probes"] for t in trials).as_dict(),
+                "linear_us": stat(t["linear_us"] for t in trials).as_dict(),
+                "gallop_us": stat(t["gallop_us"] for t in trials).as_dict(),
+                "gallop_overcounts": len(over),
+                "overcount_chunks": stat([t["gallop"] - t["exact"] for t in over] or [0]).as_dict(),
+            }
+        )
+    return rows
 
 
 def main() -> None:
@@ -63,111 +228,72 @@ def main() -> None:
     ap.add_argument("--backend", default="local")
     ap.add_argument("--backend-config", default="{}", help="backend options as JSON")
     ap.add_argument("--block-size", type=int, default=128, help="tokens per pool chunk (vllm-ascend: 128)")
-    ap.add_argument(
-        "--layers", type=int, default=0, help="layerwise: objects per chunk (0: one object per chunk)"
-    )
-    ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--layers", type=int, default=0, help="layerwise: objects per chunk (0: one object per chunk)")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
+    ap.add_argument("--calls", type=int, default=15, help="calls per sample (its median)")
     ap.add_argument("--max-tokens", type=int, default=PROMPTS[-1])
-    ap.add_argument("--json", help="also write the rows as JSON here")
+    ap.add_argument("--holes", type=float, nargs="*", default=[0.0, 0.001, 0.01, 0.05])
+    ap.add_argument("--hole-trials", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="fewer rounds and calls")
+    ap.add_argument("--json", help="also write the results as JSON here")
     args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.calls, args.hole_trials = 3, 7, 4
 
+    env0 = env_info()
     ctx = BackendContext(role="scheduler", instance_id=f"bench-lookup-{uuid.uuid4().hex[:8]}", timeout_s=5.0)
-    backend = create_backend(args.backend, json.loads(args.backend_config), ctx)
+    cfg = json.loads(args.backend_config)
+    if args.backend == "local":
+        cfg = {"capacity": "64MiB", "page_size": "4KiB", **cfg}
+    backend = create_backend(args.backend, cfg, ctx)
     guard = BackendGuard(backend, timeout_s=5.0)
-    keys = KeyBuilder(
-        fingerprint="0" * 16, rank=RankPart(), layerwise=args.layers > 0, num_layers=max(1, args.layers)
-    )
-    lookup = PoolLookup(guard, keys, timeout_s=5.0)
-    tenant = tenant_id(f"bench-{uuid.uuid4().hex}")
+    keys = KeyBuilder(fingerprint="0" * 16, rank=RankPart(), layerwise=args.layers > 0, num_layers=max(1, args.layers))
     payload = np.zeros(64, dtype=np.uint8)
     region = [Region(payload.ctypes.data, payload.nbytes)]
-
-    prompts = [p for p in PROMPTS if p <= args.max_tokens]
-    all_hashes = chunk_hashes(prompts[-1] // args.block_size, tenant)
-    stored = 0
-    rows = []
+    native = hasattr(backend, "prefix_run")
     try:
-        for tokens in prompts:
-            n = tokens // args.block_size
-            hashes = all_hashes[:n]
-            key_lists = [keys.lookup_keys(tenant, h) for h in hashes]
-            flat = [k for ks in key_lists for k in ks]
-            # Store what the "hit" scenario needs (grows with the prompt).
-            want = [k for ks in key_lists[stored:] for k in ks]
-            for i in range(0, len(want), 256):
-                batch = want[i : i + 256]
-                st = backend.put(batch, [region] * len(batch), 5.0)
-                if any(s is not Status.OK for s in st):
-                    raise SystemExit(
-                        f"setup put failed: {Status(next(s for s in st if s is not Status.OK)).name}"
-                    )
-            stored = n
-            missing_tenant = tenant_id(f"miss-{tokens}")
-            for scenario in ("hit", "half", "miss"):
-                if scenario == "hit":
-                    t, hs = tenant, hashes
-                elif scenario == "miss":
-                    t, hs = missing_tenant, hashes
-                else:  # the first half present, the rest unknown
-                    t, hs = tenant, hashes[: n // 2] + chunk_hashes(n - n // 2, f"other-{tokens}")
-                qkeys = [k for h in hs for k in keys.lookup_keys(t, h)]
-                raw = timed(lambda qk=qkeys: backend.exists(qk, 5.0), args.repeat)
-                got = lookup.prefix_hits(t, hs)
-                expect = {"hit": n, "half": n // 2, "miss": 0}[scenario]
-                assert got == expect, f"{scenario}: prefix_hits={got}, expected {expect}"
-                look = timed(lambda t=t, hs=hs: lookup.prefix_hits(t, hs), args.repeat)
-                build = timed(lambda t=t, hs=hs: keys.lookup_keys_flat(t, hs), args.repeat)
-                rows.append(
-                    dict(
-                        tokens=tokens,
-                        chunks=n,
-                        keys=len(flat),
-                        scenario=scenario,
-                        raw_p50_us=pct(raw, 50),
-                        raw_p99_us=pct(raw, 99),
-                        lookup_p50_us=pct(look, 50),
-                        lookup_p99_us=pct(look, 99),
-                        keybuild_p50_us=pct(build, 50),
-                        ratio=statistics.median(look) / max(1e-9, statistics.median(raw)),
-                    )
-                )
+        rows = part_prompts(args, backend, guard, keys, region)
+        holes = part_holes(args, backend, guard, keys, region) if native else []
     finally:
-        backend.remove_prefix(f"as1@{tenant}@", 10.0) if backend.capabilities.remove_by_prefix else None
         guard.close()
+    sched = part_scheduler(args) if args.backend == "local" and not args.layers else None
+    out = {"rows": rows, "scheduler": sched, "holes": holes, "env_before": env0, "env_after": env_info(),
+           "rounds": args.rounds, "calls": args.calls}
 
+    con = Console(width=max(170, Console().width))
     table = Table(
-        title=f"lookup latency vs prompt length ({args.backend}, {args.block_size}-token chunks"
+        title=f"lookup vs raw exists ({args.backend}, {args.block_size}-token chunks"
         + (f", {args.layers} layers" if args.layers else "")
-        + ")"
+        + f"; us, median (min..max) ±half-spread over {args.rounds} interleaved rounds; ratio per round)"
     )
-    for col in (
-        "prompt tokens",
-        "chunks",
-        "keys",
-        "scenario",
-        "raw exists p50/p99 us",
-        "lookup p50/p99 us",
-        "lookup / raw",
-        "lookup ns/key",
-        "of which key building",
-    ):
+    for col in ("tokens", "keys", "scenario", "raw exists us", "scan us", "scan ÷ raw", "scan/bytes ÷ raw",
+                "exists path us", "exists path ÷ raw"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(
-            f"{r['tokens']:,}",
-            str(r["chunks"]),
-            str(r["keys"]),
-            r["scenario"],
-            f"{r['raw_p50_us']:.0f} / {r['raw_p99_us']:.0f}",
-            f"{r['lookup_p50_us']:.0f} / {r['lookup_p99_us']:.0f}",
-            f"{r['ratio']:.2f}x",
-            f"{1e3 * r['lookup_p50_us'] / max(1, r['keys']):.0f}",
-            f"{100 * r['keybuild_p50_us'] / max(1e-9, r['lookup_p50_us']):.0f}%",
+        table.add_row(f"{r['tokens']:,}", str(r["keys"]), r["scenario"], _fmt(r["us"]["raw"]), _fmt(r["us"]["scan"]),
+                      _fmt(r["ratio"]["scan"], 2), _fmt(r["ratio"]["scan/bytes"], 2), _fmt(r["us"]["exists"]),
+                      _fmt(r["ratio"]["exists"], 2))
+    con.print(table)
+    if sched:
+        con.print(
+            f"get_num_new_matched_tokens, {sched['tokens']:,}-token vLLM Request ({sched['blocks']} block hashes, "
+            f"{sched['keys']} keys): {_fmt(sched['us']['matched_tokens'])} us; raw exists of its keys "
+            f"{_fmt(sched['us']['raw'])} us; ratio {_fmt(sched['ratio'], 2)} (goal <= 1.2)"
         )
-    Console(width=max(160, Console().width)).print(table)
+    if holes:
+        t = Table(title="linear scan vs galloping search, prompt stored then a fraction of chunks removed at random")
+        for col in ("hole rate", "trials", "true run (chunks)", "linear probes", "gallop probes", "linear us",
+                    "gallop us", "gallop overcounts", "overcount (chunks)"):
+            t.add_column(col, justify="right")
+        for h in holes:
+            t.add_row(f"{h['hole_rate']:.3f}", str(h["trials"]), _fmt(h["exact_chunks"]), _fmt(h["linear_probes"]),
+                      _fmt(h["gallop_probes"]), _fmt(h["linear_us"]), _fmt(h["gallop_us"]),
+                      f"{h['gallop_overcounts']}/{h['trials']}", _fmt(h["overcount_chunks"]))
+        con.print(t)
+    con.print(f"load average before {env0['loadavg']}, after {out['env_after']['loadavg']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump(out, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -24,11 +24,11 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import typer
+from harness import Stat, env_info, interleave, ratios, stat
 from rich.console import Console
 from rich.table import Table
 
@@ -69,12 +69,7 @@ def _start_master() -> tuple[subprocess.Popen[bytes], str]:
     raise RuntimeError("mooncake_master did not start")
 
 
-def _median_rate(timed: Callable[[], float], nbytes: int, rounds: int) -> float:
-    """GB/s from the median of `rounds` timed batches."""
-    return nbytes / statistics.median(timed() for _ in range(rounds)) / 1e9
-
-
-def _measure(size: int, rounds: int, address: str) -> dict[str, float]:
+def _measure(size: int, rounds: int, address: str) -> dict:
     backend = create_backend(
         "mooncake",
         {"master_server_address": address, "local_hostname": "127.0.0.1", "global_segment_size": 4 * BATCH * size
@@ -132,23 +127,23 @@ def _measure(size: int, rounds: int, address: str) -> dict[str, float]:
         assert list(rc) == [size] * BATCH, rc
         return dt
 
-    out: dict[str, list[float]] = {k: [] for k in ("put_ours", "put_raw", "get_ours", "get_raw")}
-    for _ in range(rounds):  # alternate: the host is shared and noisy
-        out["put_raw"].append(_median_rate(put_raw, total, 3))
-        out["put_ours"].append(_median_rate(put_ours, total, 3))
-        out["get_raw"].append(_median_rate(get_raw, total, 3))
-        out["get_ours"].append(_median_rate(get_ours, total, 3))
+    # One sample: GB/s from the median of 3 timed batches; the four cases interleave.
+    cases = {k: (lambda f=f: total / statistics.median(f() for _ in range(3)) / 1e9)
+             for k, f in (("put_raw", put_raw), ("put_ours", put_ours), ("get_raw", get_raw), ("get_ours", get_ours))}
+    s = interleave(cases, rounds)
     assert np.array_equal(dst, src)  # what we timed was real data movement
     backend.close()
-    res = {k: statistics.median(v) for k, v in out.items()}
-    res["put_ratio"] = statistics.median(o / r for o, r in zip(out["put_ours"], out["put_raw"], strict=True))
-    res["get_ratio"] = statistics.median(o / r for o, r in zip(out["get_ours"], out["get_raw"], strict=True))
-    return res
+    return {"gbps": {k: stat(v).as_dict() for k, v in s.items()},
+            "ratio": {op: ratios(s[f"{op}_ours"], s[f"{op}_raw"]).as_dict() for op in ("put", "get")}}
+
+
+def _fmt(d: dict, digits: int = 2) -> str:
+    return Stat(d["median"], d["min"], d["max"], d["n"]).fmt(digits)
 
 
 @app.command()
 def main(
-    rounds: int = typer.Option(5, min=1, max=50, help="alternating rounds per size"),
+    rounds: int = typer.Option(9, min=1, max=50, help="interleaved rounds per size"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
     if not _in_private_netns():
@@ -158,6 +153,7 @@ def main(
         env = {**os.environ, "_BENCH_MOONCAKE_NETNS": "1"}
         raise SystemExit(subprocess.call(["unshare", "-n", "bash", "-c", f"ip link set lo up && exec {cmd}"], env=env))
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    env0 = env_info()
     master, address = _start_master()
     try:
         results = {size: _measure(size, rounds, address) for size in (64 * KiB, 2 * MiB)}
@@ -165,18 +161,23 @@ def main(
         master.kill()
         master.wait()
     if as_json:
-        print(json.dumps({str(k): v for k, v in results.items()}, indent=2))
+        print(json.dumps({"sizes": {str(k): v for k, v in results.items()}, "rounds": rounds,
+                          "env_before": env0, "env_after": env_info()}, indent=2))
         return
-    table = Table(title=f"MooncakeBackend vs raw Mooncake client (batch {BATCH}, single process, median of {rounds})")
+    table = Table(title=f"MooncakeBackend vs raw Mooncake client (batch {BATCH}, single process); GB/s median "
+                  f"[min..max] ±half-spread over {rounds} interleaved rounds; ratio per round")
     for col in ("object", "put raw GB/s", "put ours GB/s", "put ratio", "get raw GB/s", "get ours GB/s", "get ratio"):
         table.add_column(col, justify="right")
     for size, r in results.items():
+        g = r["gbps"]
         table.add_row(
             f"{size // KiB} KiB" if size < MiB else f"{size // MiB} MiB",
-            f"{r['put_raw']:.2f}", f"{r['put_ours']:.2f}", f"{r['put_ratio']:.2f}",
-            f"{r['get_raw']:.2f}", f"{r['get_ours']:.2f}", f"{r['get_ratio']:.2f}",
+            _fmt(g["put_raw"]), _fmt(g["put_ours"]), _fmt(r["ratio"]["put"]),
+            _fmt(g["get_raw"]), _fmt(g["get_ours"]), _fmt(r["ratio"]["get"]),
         )
-    Console().print(table)
+    con = Console(width=160)
+    con.print(table)
+    con.print(f"load average before {env0['loadavg']}, after {env_info()['loadavg']}")
 
 
 if __name__ == "__main__":

@@ -20,11 +20,20 @@ def test_bench_local_quick_reports_every_figure(tmp_path):
     )
     res = json.loads(out.stdout)
     for size in ("64KiB", "2048KiB"):
-        for ck in ("off", "on"):
-            r = res[f"dram_{size}_checksum_{ck}"]
-            for k in ("memcpy_in", "put", "put_ratio", "memcpy_out", "get", "get_ratio"):
-                assert r[k] > 0, (size, ck, k)
-    assert res["exists_512_median_us"] > 0
-    assert res["disk_64KiB"]["put"] > 0 and res["disk_64KiB"]["get"] > 0
-    assert res["disk_64KiB"]["spills"] > 0 and res["disk_64KiB"]["disk_hits"] > 0
+        r = res[f"dram_{size}"]
+        for op in ("put", "get"):
+            for case in (f"{op} checksum off", f"{op} checksum on", f"{op}: memcpy", f"{op}: memcpy/obj",
+                         f"{op}: memcpy shm"):
+                g = r["gbps"][case]
+                assert 0 < g["min"] <= g["median"] <= g["max"], (size, case)
+                assert g["n"] == res["rounds"]
+            for ck in ("off", "on"):
+                for base in ("memcpy", "memcpy/obj", "memcpy shm"):
+                    q = r["ratio"][f"{op} checksum {ck} / {base}"]
+                    assert q["median"] > 0 and q["spread"] >= 0, (size, op, ck, base)
+    assert res["exists_512_us"]["median"] > 0
+    d = res["disk_64KiB"]
+    assert d["put_gbps"]["median"] > 0 and d["get_gbps"]["median"] > 0
+    assert d["spills"] > 0 and d["disk_hits"] > 0
+    assert len(res["env_before"]["loadavg"]) == 3
     assert list(tmp_path.iterdir()) == []  # the bench's disk tier cleaned up after itself

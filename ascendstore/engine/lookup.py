@@ -1,30 +1,55 @@
-"""Scheduler-side lookup: one batched existence query per request."""
+"""Scheduler-side lookup: how many chunks of a prompt are in the pool, in one call.
+
+A backend with a native prefix scan (``prefix_run``, e.g. the embedded ``local``
+pool) answers in one call that builds the keys, probes them and stops at the
+first miss; any other backend gets one batched ``exists`` of every key.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from typing import Literal
 
 from ascendstore.contract import Status
 from ascendstore.engine.guard import BackendGuard
 from ascendstore.engine.plan import KeyBuilder
 
+log = logging.getLogger(__name__)
+
 _ANSWERS = {Status.OK, Status.NOT_FOUND}
+
+#: "linear": probe every chunk up to the first miss (exact). "gallop": probe
+#: chunks 0, 2, 6, 14, ... then bisect: O(log n) probes, relying on the prefix
+#: property of chained keys; an eviction hole below a probed hit is not seen, so
+#: the hit can be overcounted (its load then fails and is recomputed). Only
+#: backends with a native scan gallop; see docs/benchmarking.md for the trade.
+Probe = Literal["linear", "gallop"]
 
 
 class PoolLookup:
-    def __init__(self, guard: BackendGuard, keys: KeyBuilder, timeout_s: float) -> None:
+    def __init__(self, guard: BackendGuard, keys: KeyBuilder, timeout_s: float, probe: Probe = "linear") -> None:
         self.guard = guard
         self.keys = keys
         self.timeout_s = timeout_s
+        self.probe = probe
+        # In-process and bounded (the guard calls it inline): no thread hand-off needed.
+        scan = getattr(guard.backend, "prefix_run", None)
+        self._scan = scan if callable(scan) and guard.backend.capabilities.bounded_calls else None
 
-    def prefix_hits(self, tenant: str, chunk_hashes: Sequence[str], start: int = 0) -> int:
+    def prefix_hits(self, tenant: str, chunk_hashes: Sequence[str] | Sequence[bytes], start: int = 0) -> int:
         """Chunks present in the pool as an unbroken run from ``start``.
 
+        ``chunk_hashes``: hex strings, or raw hashes (bytes) whose hex is meant.
         Returns the absolute chunk count (>= start; == start on a miss). Chunks
         before ``start`` are already on the device and are not queried."""
-        todo = list(chunk_hashes[start:])
+        todo = chunk_hashes[start:] if start else chunk_hashes
         if not todo:
             return start
+        if self._scan is not None:
+            return start + self._scan_hits(tenant, todo)
+        if isinstance(todo[0], bytes):
+            todo = [h.hex() for h in todo]  # type: ignore[union-attr]
         # every chunk has the same objects (ranks x layers): ``width`` keys each
         flat, width = self.keys.lookup_keys_flat(tenant, todo)
         statuses = self.guard.exists(flat, self.timeout_s)
@@ -35,3 +60,18 @@ class PoolLookup:
         # A chunk hits when all its objects exist; the run stops at the first miss.
         first_missing = next((i for i, s in enumerate(statuses) if s is not Status.OK), len(statuses))
         return start + first_missing // width
+
+    def _scan_hits(self, tenant: str, todo: Sequence[str] | Sequence[bytes]) -> int:
+        prefixes = self.keys.lookup_keys(tenant, "")  # every object's key is prefix + chunk hash
+        m = self.guard.metrics
+        try:
+            status, hits, probes = self._scan(prefixes, todo, self.timeout_s, gallop=self.probe == "gallop")
+        except Exception:
+            log.exception("backend prefix scan of %d chunks raised; reporting a miss", len(todo))
+            m.add(lookups=1, lookup_errors=1, unavailable=len(todo) * len(prefixes))
+            return 0
+        m.add(lookups=1, lookup_keys=probes * len(prefixes))
+        if status is not Status.OK:
+            m.add(lookup_errors=1, **({"timeouts": 1} if status is Status.TIMEOUT else {}))
+            return 0
+        return hits

@@ -18,8 +18,12 @@
  * entry a new version, so a reader whose pages were recycled under it sees
  * the version change and retries (or reports a miss). Nothing a dead reader
  * leaves behind can pin memory. A writer's reservation names its process
- * slot; reservations of dead processes are reclaimed by a sweep. A process
- * that dies holding the lock makes the next locker get EOWNERDEAD; it then
+ * slot; reservations of dead processes are reclaimed by a sweep. A slot is
+ * alive while its process holds an OFD lock on the slot's byte of the lock
+ * file next to the segment (/dev/shm/ascendstore-pool.<name>.lock): the kernel
+ * drops the lock when the process dies, whatever PID namespace it runs in, so
+ * containers sharing /dev/shm judge each other correctly (pids would not).
+ * A process that dies holding the lock makes the next locker get EOWNERDEAD; it then
  * rebuilds every derived structure (free lists, hash chains, LRU) from the
  * entry table, which is the single source of truth.
  *
@@ -51,7 +55,7 @@
 /* ------------------------------------------------------------------ constants */
 
 #define POOL_MAGIC 0x31305453414c5341ULL /* "ASLAST01" */
-#define POOL_LAYOUT 4u
+#define POOL_LAYOUT 5u
 #define NONE32 0xffffffffu
 #define MAX_KEY 256
 #define MAX_PROCS 512
@@ -86,10 +90,12 @@ typedef struct {
     char key[MAX_KEY];
 } entry_t;
 
+/* A slot is alive while in_use and its byte of the lock file is locked (see
+ * slot_alive); pid is informational only (it means nothing across PID namespaces). */
 typedef struct {
     int32_t pid;
     int32_t in_use;
-    uint64_t starttime;
+    uint64_t reserved;
 } slot_t;
 
 typedef struct {
@@ -100,7 +106,8 @@ typedef struct {
     uint64_t capacity;
     uint64_t page_size;
     uint32_t n_pages, max_keys, n_buckets, checksum;
-    uint64_t off_next, off_entries, off_buckets, off_slots, off_arena;
+    uint64_t off_next, off_entries, off_buckets, off_slots, off_events, off_arena;
+    uint64_t ev_cap; /* removal records kept (power of two) */
     uint64_t disk_capacity, disk_seg_size;
     char disk_path[MAX_PATH_LEN];
     char name[128];
@@ -118,10 +125,25 @@ typedef struct {
     uint64_t live_bytes;
     uint64_t disk_first_seg, disk_cur_seg, disk_cur_off, disk_file_bytes, disk_live_bytes;
     uint64_t seg_len[MAX_SEGS];
+    uint64_t ev_next; /* sequence number of the next removal record */
     /* counters */
     uint64_t c_hits, c_misses, c_puts, c_evictions, c_spills, c_disk_hits, c_promotions, c_disk_drops,
         c_corrupt, c_no_space, c_lock_recoveries, c_dead_reclaimed, c_retries;
 } hdr_t;
+
+/* Removal records: a bounded ring in the segment, written under the pool
+ * lock (one record per object leaving a tier), read by any process with
+ * removed_since(). A record is complete before ev_next moves past it, so a
+ * process killed while writing one leaves nothing half-written behind. */
+enum { TIER_CPU = 0, TIER_DISK = 1, TIER_NONE = 255 };
+enum { R_NONE = 0, R_EVICTED, R_REMOVED, R_SPILLED, R_PROMOTED, R_LOST };
+
+typedef struct {
+    uint64_t seq;
+    uint8_t tier, reason, moved_to, pad;
+    uint32_t keylen;
+    char key[MAX_KEY];
+} event_t;
 
 /* ------------------------------------------------------------------ process-local handle */
 
@@ -131,18 +153,22 @@ typedef struct {
     uint64_t token;
 } orphan_t;
 
-typedef struct {
+typedef struct Pool {
     PyObject_HEAD
     PyObject *weakreflist;
     hdr_t *h;
     uint8_t *base;
     size_t map_size;
     char shm_name[160];
+    char lock_name[170]; /* shm name of the slot lock file */
+    int lock_fd;         /* this handle's own open of it (its own OFD: its own locks) */
+    struct Pool *all_next, *all_prev; /* every open handle, to drop inherited lock fds after fork */
     int slot;
     pid_t pid;
     int unlink_on_last_close;
     _Atomic double delay_s;       /* test hook: every data call of this handle acts slow */
     _Atomic double spill_stall_s; /* test hook: pause between spill writes and finalizing them */
+    _Atomic double put_stall_s;   /* test hook: pause every put between reserving and copying in */
     _Atomic int busy;
     _Atomic int closed;
     pthread_mutex_t local; /* guards the fields below (threads of this process) */
@@ -159,6 +185,7 @@ static PyObject *status_table = NULL; /* tuple of Status members, indexed by cod
 #define BUCKETS(p) ((uint32_t *)((p)->base + (p)->h->off_buckets))
 #define SLOTS(p) ((slot_t *)((p)->base + (p)->h->off_slots))
 #define ARENA(p) ((p)->base + (p)->h->off_arena)
+#define EVENTS(p) ((event_t *)((p)->base + (p)->h->off_events))
 
 /* ------------------------------------------------------------------ hashing */
 
@@ -411,35 +438,44 @@ static double now_mono(void) {
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-/* Start time (clock ticks since boot) of pid, 0 if unknown; *zombie set when it has exited. */
-static uint64_t proc_starttime(pid_t pid, int *zombie) {
-    char path[64], buf[1024];
-    if (zombie) *zombie = 0;
-    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return 0;
-    ssize_t n = read(fd, buf, sizeof buf - 1);
-    close(fd);
-    if (n <= 0) return 0;
-    buf[n] = 0;
-    char *p = strrchr(buf, ')');
-    if (!p || p[1] != ' ') return 0;
-    if (zombie) *zombie = p[2] == 'Z' || p[2] == 'X';
-    /* after ")": field 3 is the state; starttime is field 22 */
-    int field = 2;
-    for (; *p && field < 22; p++)
-        if (*p == ' ') field++;
-    return strtoull(p, NULL, 10);
+/* Process liveness by lock, not by pid. Each attached handle holds an OFD
+ * write lock on byte <slot> of the pool's lock file for as long as it is
+ * attached; the kernel releases it when the last descriptor of that open file
+ * goes away (close, exit, SIGKILL). OFD locks belong to the open file, not to a
+ * pid, so they are judged the same from every PID namespace that sees the
+ * file, and two handles in one process (each its own open) do not merge. */
+static int slot_lock_op(int fd, int slot, int cmd, short type) {
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = type;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = slot;
+    fl.l_len = 1;
+    int r = fcntl(fd, cmd, &fl);
+    if (r != 0) return -1;
+    if (cmd == F_OFD_GETLK) return fl.l_type != F_UNLCK; /* 1: someone else holds it */
+    return 0;
 }
 
-static int slot_alive(const slot_t *s) {
-    if (!s->in_use) return 0;
-    if (kill(s->pid, 0) != 0 && errno == ESRCH) return 0;
-    int zombie = 0;
-    uint64_t st = proc_starttime(s->pid, &zombie);
-    if (zombie) return 0;
-    if (st && s->starttime && st != s->starttime) return 0; /* pid reused */
-    return 1;
+static int slot_lock_take(Pool *p, int slot) { return slot_lock_op(p->lock_fd, slot, F_OFD_SETLK, F_WRLCK); }
+
+static void slot_lock_release(Pool *p, int slot) {
+    if (p->lock_fd >= 0) slot_lock_op(p->lock_fd, slot, F_OFD_SETLK, F_UNLCK);
+}
+
+static int open_lock_file(Pool *p) {
+    if (p->lock_fd >= 0) return 0;
+    p->lock_fd = shm_open(p->lock_name, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    return p->lock_fd >= 0 ? 0 : -1;
+}
+
+static int slot_alive(Pool *p, int s) {
+    const slot_t *S = SLOTS(p);
+    if (!S[s].in_use) return 0;
+    if (s == p->slot && p->pid == getpid()) return 1; /* our own lock never conflicts with us */
+    if (p->lock_fd < 0) return 1;                    /* cannot tell: never reclaim on a guess */
+    int r = slot_lock_op(p->lock_fd, s, F_OFD_GETLK, F_WRLCK);
+    return r != 0; /* held (1) or unknown (-1): alive */
 }
 
 /* ------------------------------------------------------------------ metadata helpers (lock held) */
@@ -542,10 +578,31 @@ static void entry_release(Pool *p, uint32_t i) {
     p->h->entries_used--;
 }
 
-/* Remove a published entry (LIVE, DISK or SPILLING) completely. */
-static void entry_remove(Pool *p, uint32_t i) {
+static int entry_tier(const entry_t *e) { return e->state == E_DISK ? TIER_DISK : TIER_CPU; }
+
+/* Append a removal record for entry i (lock held). */
+static void event_record(Pool *p, uint32_t i, int tier, int reason, int moved_to) {
+    hdr_t *h = p->h;
+    if (!h->ev_cap || reason == R_NONE) return;
+    entry_t *e = &ENT(p)[i];
+    event_t *ev = &EVENTS(p)[h->ev_next & (h->ev_cap - 1)];
+    uint32_t kl = e->keylen <= MAX_KEY ? e->keylen : MAX_KEY;
+    ev->seq = h->ev_next;
+    ev->tier = (uint8_t)tier;
+    ev->reason = (uint8_t)reason;
+    ev->moved_to = (uint8_t)moved_to;
+    ev->keylen = kl;
+    memcpy(ev->key, e->key, kl);
+    atomic_thread_fence(memory_order_release); /* the record is whole before it counts */
+    h->ev_next++;
+}
+
+/* Remove a published entry (LIVE, DISK or SPILLING) completely, recording why
+ * (R_NONE: the key stays in the same tier, e.g. replaced by a newer value). */
+static void entry_remove(Pool *p, uint32_t i, int reason) {
     hdr_t *h = p->h;
     entry_t *e = &ENT(p)[i];
+    event_record(p, i, entry_tier(e), reason, TIER_NONE);
     hash_unlink(p, i);
     if (e->state == E_SPILLING) { /* its spiller frees the pages once its write is done */
         h->n_live--;
@@ -605,7 +662,7 @@ static void disk_drop_oldest_segment(Pool *p) {
     uint64_t seg = h->disk_first_seg;
     entry_t *E = ENT(p);
     while (h->disk_tail != NONE32 && E[h->disk_tail].disk_seg == (uint32_t)seg) {
-        entry_remove(p, h->disk_tail);
+        entry_remove(p, h->disk_tail, R_EVICTED);
         h->c_disk_drops++;
     }
     char path[MAX_PATH_LEN + 200];
@@ -701,6 +758,7 @@ static int disk_spill(Pool *p, uint32_t i) {
 static void entry_to_disk(Pool *p, uint32_t i) {
     hdr_t *h = p->h;
     entry_t *e = &ENT(p)[i];
+    event_record(p, i, TIER_CPU, R_SPILLED, TIER_DISK); /* left DRAM, now stored on disk */
     pages_free(p, e->first_page, e->npages);
     h->n_live--;
     h->live_bytes -= e->size;
@@ -727,7 +785,7 @@ static int evict_one(Pool *p, int allow_spill) {
         entry_to_disk(p, i);
         return 1;
     }
-    entry_remove(p, i);
+    entry_remove(p, i, R_EVICTED);
     return 1;
 }
 
@@ -738,7 +796,7 @@ static uint32_t entry_alloc(Pool *p) {
     if (h->free_entry_head != NONE32 || h->entries_hwm >= h->max_keys) {
         while (h->free_entry_head == NONE32) {
             if (h->disk_tail != NONE32) {
-                entry_remove(p, h->disk_tail);
+                entry_remove(p, h->disk_tail, R_EVICTED);
                 h->c_disk_drops++;
             } else if (!evict_one(p, 0)) {
                 return NONE32;
@@ -766,7 +824,7 @@ static int sweep_dead(Pool *p) {
     int ndead = 0;
     for (int s = 0; s < MAX_PROCS; s++) {
         dead[s] = 0;
-        if (S[s].in_use && !slot_alive(&S[s])) {
+        if (S[s].in_use && !slot_alive(p, s)) {
             S[s].in_use = 0;
             dead[s] = 1;
             ndead++;
@@ -818,7 +876,7 @@ static void rebuild(Pool *p) {
     uint32_t *order = malloc(sizeof(uint32_t) * (h->max_keys + 1));
     slot_t *S = SLOTS(p);
     for (int s = 0; s < MAX_PROCS; s++)
-        if (S[s].in_use && !slot_alive(&S[s])) S[s].in_use = 0;
+        if (S[s].in_use && !slot_alive(p, s)) S[s].in_use = 0;
     for (uint32_t b = 0; b < h->n_buckets; b++) BUCKETS(p)[b] = NONE32;
     h->free_page_head = NONE32;
     h->free_pages = 0;
@@ -838,7 +896,8 @@ static void rebuild(Pool *p) {
         if (ok && e->state == E_DISK)
             ok = e->disk_seg >= h->disk_first_seg && e->disk_seg <= h->disk_cur_seg && h->disk_capacity;
         int hashed = e->state == E_LIVE || e->state == E_DISK || e->state == E_SPILLING;
-        if (ok && hashed && find(p, e->key, e->keylen, e->hash) != NONE32) ok = 0;
+        int dup = 0;
+        if (ok && hashed && find(p, e->key, e->keylen, e->hash) != NONE32) ok = 0, dup = 1;
         if (ok && e->state != E_DISK) {
             uint64_t need = (e->size + P - 1) / P;
             ok = need == e->npages && need <= h->n_pages;
@@ -856,6 +915,10 @@ static void rebuild(Pool *p) {
             if (ok && e->npages) nx[chain[e->npages - 1]] = NONE32;
         }
         if (!ok) {
+            /* a published object that does not validate is gone: say so (a
+             * duplicate's key is still there, under its other entry) */
+            if (hashed && !dup && e->keylen > 0 && e->keylen <= MAX_KEY)
+                event_record(p, i, entry_tier(e), R_LOST, TIER_NONE);
             memset(e, 0, offsetof(entry_t, key));
             e->state = E_FREE;
             e->prev = e->next = e->first_page = NONE32;
@@ -985,10 +1048,12 @@ static void orphan_add(Pool *p, uint32_t idx, uint64_t token, int spill) {
 static int slot_attach(Pool *p) {
     slot_t *S = SLOTS(p);
     sweep_dead(p);
+    /* lock first, then mark in use (both under the pool lock): a sweeper never
+     * sees an in-use slot whose lock is not yet taken */
     for (int s = 0; s < MAX_PROCS; s++)
-        if (!S[s].in_use) {
+        if (!S[s].in_use && slot_lock_take(p, s) == 0) {
             S[s].pid = getpid();
-            S[s].starttime = proc_starttime(getpid(), NULL);
+            S[s].reserved = 0;
             S[s].in_use = 1;
             return s;
         }
@@ -1250,6 +1315,11 @@ static int ensure_slot(Pool *p, double deadline) {
     if (p->pid == getpid()) return ST_OK;
     pthread_mutex_init(&p->local, NULL);
     p->n_orphans = 0;
+    /* the parent's lock fd (if the fork handler did not close it) shares the
+     * parent's open file and so its slot locks: take a fresh open of our own */
+    if (p->lock_fd >= 0) close(p->lock_fd);
+    p->lock_fd = -1;
+    if (open_lock_file(p) != 0) return ST_UNAVAILABLE;
     int st = pool_lock(p, deadline);
     if (st) return st;
     int s = slot_attach(p);
@@ -1306,7 +1376,7 @@ static int spill_ahead(Pool *p, batch_t *b, double deadline) {
         h->c_evictions++;
         have += e->npages;
         if (disk_reserve(p, e->size, &seg, &off) != 0) {
-            entry_remove(p, i); /* too big for the disk tier: just evict */
+            entry_remove(p, i, R_EVICTED); /* too big for the disk tier: just evict */
             continue;
         }
         if (nv == cap) {
@@ -1320,7 +1390,7 @@ static int spill_ahead(Pool *p, batch_t *b, double deadline) {
                     entry_to_disk(p, i);
                 } else {
                     lru_push_head(p, i, &h->lru_head, &h->lru_tail);
-                    entry_remove(p, i);
+                    entry_remove(p, i, R_EVICTED);
                 }
                 continue;
             }
@@ -1367,6 +1437,7 @@ static int spill_ahead(Pool *p, batch_t *b, double deadline) {
                     seg_path(p, v[k].seg, path, sizeof path);
                     unlink(path); /* our write may have re-created the dropped file */
                 }
+                event_record(p, v[k].idx, TIER_CPU, R_EVICTED, TIER_NONE);
                 hash_unlink(p, v[k].idx);
                 h->n_live--;
                 h->live_bytes -= e->size;
@@ -1428,6 +1499,12 @@ static void op_put(Pool *p, batch_t *b, double deadline) {
     }
     pool_unlock(p);
 
+    double stall = atomic_load(&p->put_stall_s);
+    if (stall > 0 && !b->items[0].cond_version) { /* a writer caught between reserve and copy */
+        atomic_store(&h->debug_holder, -(int32_t)getpid());
+        usleep((useconds_t)(stall * 1e6));
+        atomic_store(&h->debug_holder, 0);
+    }
     for (Py_ssize_t i = 0; i < b->n; i++) {
         item_t *it = &b->items[i];
         if (it->status != ST_PENDING) continue;
@@ -1458,7 +1535,13 @@ static void op_put(Pool *p, batch_t *b, double deadline) {
             it->status = ST_OK;
             continue;
         }
-        if (old != NONE32) entry_remove(p, old);
+        /* a DRAM value replaced stays in DRAM (no record); a disk one moves to DRAM */
+        if (old != NONE32 && E[old].state == E_DISK) {
+            event_record(p, old, TIER_DISK, R_PROMOTED, TIER_CPU);
+            entry_remove(p, old, R_NONE);
+        } else if (old != NONE32) {
+            entry_remove(p, old, R_NONE);
+        }
         h->reserved_pages -= en->npages;
         en->checksum = it->checksum;
         en->has_sum = h->checksum ? 1 : 0;
@@ -1637,7 +1720,7 @@ static void op_remove(Pool *p, batch_t *b, double deadline) {
         uint32_t e = find(p, it->key, it->klen, it->hash);
         if (e == NONE32) it->status = ST_NOT_FOUND;
         else {
-            entry_remove(p, e);
+            entry_remove(p, e, R_REMOVED);
             it->status = ST_OK;
         }
     }
@@ -1679,7 +1762,13 @@ static void layout(geom_t *g, hdr_t *h) {
     h->off_entries = align_up(h->off_next + sizeof(uint32_t) * (uint64_t)h->n_pages, 4096);
     h->off_buckets = align_up(h->off_entries + sizeof(entry_t) * (uint64_t)h->max_keys, 4096);
     h->off_slots = align_up(h->off_buckets + sizeof(uint32_t) * (uint64_t)nb, 4096);
-    h->off_arena = align_up(h->off_slots + sizeof(slot_t) * MAX_PROCS, 2u << 20);
+    /* removal records: about one per key slot, 1 Ki .. 64 Ki (272 bytes each; memory
+     * is touched only as records are written) */
+    uint64_t ev = 1024;
+    while (ev < g->max_keys && ev < 65536) ev <<= 1;
+    h->ev_cap = ev;
+    h->off_events = align_up(h->off_slots + sizeof(slot_t) * MAX_PROCS, 4096);
+    h->off_arena = align_up(h->off_events + sizeof(event_t) * ev, 2u << 20);
     h->total_size = h->off_arena + (uint64_t)h->n_pages * g->page_size;
     h->disk_capacity = g->disk_path && g->disk_path[0] ? g->disk_capacity : 0;
     h->disk_seg_size = g->disk_seg_size;
@@ -1746,6 +1835,8 @@ static void prefault_arena(Pool *p) {
 /* Returns -1 and sets a Python error on failure. Called with the GIL. */
 static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int prefault) {
     snprintf(p->shm_name, sizeof p->shm_name, "/ascendstore-pool.%s", name);
+    snprintf(p->lock_name, sizeof p->lock_name, "/ascendstore-pool.%s.lock", name);
+    p->lock_fd = -1;
     hdr_t want;
     memset(&want, 0, sizeof want);
     layout(g, &want);
@@ -1821,10 +1912,22 @@ static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int
             p->h = NULL;
             break;
         }
+        /* Opened before the pool lock (a recovery under it judges slots by
+         * their locks). The lock file is unlinked only under the pool lock
+         * with the segment marked destroyed, so once pool_lock below finds the
+         * segment not destroyed, this is the file every user of it has. */
+        if (open_lock_file(p) != 0) {
+            snprintf(err, sizeof err, "cannot open the lock file /dev/shm%s: %s", p->lock_name, strerror(errno));
+            munmap(h, msize);
+            p->h = NULL;
+            break;
+        }
         int st = pool_lock(p, deadline);
         if (st == ST_UNAVAILABLE && atomic_load(&h->destroyed)) {
             munmap(h, msize);
             p->h = NULL;
+            close(p->lock_fd);
+            p->lock_fd = -1;
             usleep(1000);
             continue; /* being destroyed by its last user: create a fresh one */
         }
@@ -1844,10 +1947,13 @@ static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int
             if (!live) { /* stale pool from an earlier run: replace it */
                 atomic_store(&h->destroyed, 1);
                 disk_files_remove(h);
+                shm_unlink(p->lock_name); /* before the segment: see pool_detach */
                 shm_unlink(p->shm_name);
                 pool_unlock(p);
                 munmap(h, msize);
                 p->h = NULL;
+                close(p->lock_fd);
+                p->lock_fd = -1;
                 continue;
             }
             snprintf(err, sizeof err,
@@ -1875,6 +1981,8 @@ static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int
     }
     Py_END_ALLOW_THREADS
     if (!ok) {
+        if (p->lock_fd >= 0) close(p->lock_fd);
+        p->lock_fd = -1;
         PyErr_SetString(PyExc_OSError, err[0] ? err : "could not open the pool");
         return -1;
     }
@@ -1887,25 +1995,34 @@ static void pool_detach(Pool *p, int destroy) {
     hdr_t *h = p->h;
     int unlinked = 0;
     if (pool_lock(p, now_mono() + 5.0) == ST_OK) {
-        if (p->pid == getpid()) SLOTS(p)[p->slot].in_use = 0;
+        if (p->pid == getpid()) {
+            SLOTS(p)[p->slot].in_use = 0;
+            slot_lock_release(p, p->slot);
+        }
         int live = 0;
         if (!destroy) {
-            sweep_dead(p);
+            sweep_dead(p); /* judged by the slot locks: processes of any PID namespace count */
             slot_t *S = SLOTS(p);
             for (int s = 0; s < MAX_PROCS; s++) live += S[s].in_use;
         }
         if (destroy || (!live && p->unlink_on_last_close)) {
             atomic_store(&h->destroyed, 1);
             disk_files_remove(h);
+            /* the lock file goes first: whoever creates the next segment of
+             * this name then also creates a fresh lock file */
+            shm_unlink(p->lock_name);
             shm_unlink(p->shm_name);
             unlinked = 1;
         }
         pool_unlock(p);
     } else if (destroy) {
         atomic_store(&h->destroyed, 1);
+        shm_unlink(p->lock_name);
         shm_unlink(p->shm_name);
         unlinked = 1;
     }
+    if (p->lock_fd >= 0) close(p->lock_fd); /* releases our slot lock if still held */
+    p->lock_fd = -1;
     (void)unlinked;
     for (int k = 0; k < MAX_SEGS; k++)
         if (p->seg_fd[k] >= 0) {
@@ -1918,6 +2035,53 @@ static void pool_detach(Pool *p, int destroy) {
 }
 
 /* ------------------------------------------------------------------ Python type */
+
+/* Every open handle of this process. After fork the child closes its copies
+ * of their lock descriptors: they share the parent's open file, so a child
+ * that never uses the pool would otherwise keep the parent's slots looking
+ * alive after the parent died. */
+static Pool *registry_head = NULL;
+static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void registry_remove(Pool *p);
+
+static void registry_add(Pool *p) {
+    registry_remove(p); /* __init__ may run twice on one object */
+    pthread_mutex_lock(&registry_lock);
+    p->all_prev = NULL;
+    p->all_next = registry_head;
+    if (registry_head) registry_head->all_prev = p;
+    registry_head = p;
+    pthread_mutex_unlock(&registry_lock);
+}
+
+static void registry_remove(Pool *p) {
+    pthread_mutex_lock(&registry_lock);
+    if (p->all_prev || registry_head == p) {
+        if (p->all_prev) p->all_prev->all_next = p->all_next;
+        else registry_head = p->all_next;
+        if (p->all_next) p->all_next->all_prev = p->all_prev;
+    }
+    p->all_next = p->all_prev = NULL;
+    pthread_mutex_unlock(&registry_lock);
+}
+
+static void fork_prepare(void) { pthread_mutex_lock(&registry_lock); }
+static void fork_parent(void) { pthread_mutex_unlock(&registry_lock); }
+static void fork_child(void) {
+    for (Pool *p = registry_head; p; p = p->all_next)
+        if (p->lock_fd >= 0) {
+            close(p->lock_fd);
+            p->lock_fd = -1;
+        }
+    pthread_mutex_unlock(&registry_lock);
+}
+
+static PyObject *Pool_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    Pool *p = (Pool *)PyType_GenericNew(type, args, kw);
+    if (p) p->lock_fd = -1;
+    return (PyObject *)p;
+}
 
 static int Pool_init(Pool *p, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"name", "capacity", "page_size", "max_keys", "checksum", "disk_path",
@@ -1957,7 +2121,9 @@ static int Pool_init(Pool *p, PyObject *args, PyObject *kw) {
     geom_t g = {cap / page * page, page, dcap, dseg < dcap / (MAX_SEGS / 2) ? dcap / (MAX_SEGS / 2) : dseg,
                 maxk, (uint32_t)checksum, dpath};
     p->unlink_on_last_close = unlink_last;
-    return pool_open(p, name, &g, tmo, prefault);
+    if (pool_open(p, name, &g, tmo, prefault) != 0) return -1;
+    registry_add(p);
+    return 0;
 }
 
 static void Pool_dealloc(Pool *p) {
@@ -1969,6 +2135,9 @@ static void Pool_dealloc(Pool *p) {
         pool_detach(p, 0);
         Py_END_ALLOW_THREADS
     }
+    registry_remove(p);
+    if (p->lock_fd >= 0) close(p->lock_fd);
+    p->lock_fd = -1;
     free(p->orphans);
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
@@ -2095,7 +2264,7 @@ static PyObject *Pool_scan(Pool *p, PyObject *args) {
                 memcmp(e->key, pre, plen) != 0)
                 continue;
             if (remove) {
-                entry_remove(p, i);
+                entry_remove(p, i, R_REMOVED);
                 n++;
                 continue;
             }
@@ -2131,6 +2300,314 @@ static PyObject *Pool_scan(Pool *p, PyObject *args) {
     free(buf);
     free(lens);
     return res;
+}
+
+/* ------------------------------------------------------------------ prefix scan (lookup)
+ *
+ * prefix_run(prefixes, suffixes, gallop, timeout_s) -> (Status, chunks, probes)
+ *
+ * suffixes: str, or bytes (a raw chained hash; its lowercase hex is used, so
+ * the scheduler need not build a hex string per chunk).
+ * Chunk i is present when every key prefix + suffixes[i] (for each prefix) is
+ * in the pool. Returns how many chunks from 0 are present as an unbroken run:
+ * the scheduler's lookup of a prompt in one call, with no key strings or status
+ * lists built in Python. Keys are hashed before the lock is taken (the FNV state
+ * after each prefix is computed once); found keys are touched as exists does.
+ *
+ * gallop=0: one probe per chunk up to the first miss (exact).
+ * gallop=1: chained keys have the prefix property (chunk i was saved only after
+ * chunks < i), so probe chunks 0, 1, 3, 7, ... until a miss, then bisect between
+ * the last hit and that miss: O(log n) probes. An eviction hole below a probed
+ * hit is not seen (the run is overcounted; the load of the hole then fails and
+ * those tokens are recomputed). probes counts chunks examined. */
+typedef struct {
+    const char *buf;       /* prefixes then suffixes, copied (the GIL is released) */
+    uint32_t np, n;
+    uint32_t *poff, *plen; /* np */
+    uint64_t *pstate;      /* FNV-1a state after each prefix */
+    uint32_t *soff, *slen; /* n */
+} prefix_req_t;
+
+static uint64_t fnv_more(uint64_t h, const char *k, size_t n) {
+    for (size_t i = 0; i < n; i++) h = (h ^ (uint8_t)k[i]) * 0x100000001b3ULL;
+    return h;
+}
+
+static uint64_t fnv_mix(uint64_t h) {
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdULL;
+    h ^= h >> 33;
+    return h;
+}
+
+/* Entries of the chunks found present, touched after the scan (see scan_touch). */
+typedef struct {
+    uint32_t chunk, idx;
+    uint64_t version;
+} seen_t;
+
+/* 1 if every key of chunk i is present (recording their entries in seen), else 0;
+ * hashes: the chunk's np precomputed hashes or NULL. */
+static int chunk_present(Pool *p, const prefix_req_t *q, uint32_t i, const uint64_t *hashes, seen_t *seen,
+                         size_t *nseen) {
+    char key[MAX_KEY];
+    uint32_t sl = q->slen[i];
+    const char *s = q->buf + q->soff[i];
+    size_t n0 = *nseen;
+    for (uint32_t j = 0; j < q->np; j++) {
+        uint32_t pl = q->plen[j], kl = pl + sl;
+        if (kl == 0 || kl > MAX_KEY) break; /* cannot be stored: absent */
+        memcpy(key, q->buf + q->poff[j], pl);
+        memcpy(key + pl, s, sl);
+        uint64_t hv = hashes ? hashes[j] : fnv_mix(fnv_more(q->pstate[j], s, sl));
+        uint32_t e = find(p, key, kl, hv);
+        if (e == NONE32) break;
+        seen[(*nseen)++] = (seen_t){i, e, ENT(p)[e].version};
+    }
+    if (*nseen - n0 == q->np) return 1;
+    *nseen = n0; /* a chunk partly present is not loadable: not touched */
+    return 0;
+}
+
+static int cmp_seen_desc(const void *a, const void *b) {
+    uint32_t x = ((const seen_t *)a)->chunk, y = ((const seen_t *)b)->chunk;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/* LRU-touch the entries found, last chunk first: chunk 0 of a prompt ends up the
+ * most recently used, so LRU evicts a prefix from its tail and what stays is
+ * still a prefix (evicting chunk 0 first would strand every later chunk).
+ * Entries replaced since they were seen (another version) are skipped. Lock held. */
+static void scan_touch(Pool *p, seen_t *seen, size_t nseen, int sorted) {
+    if (!sorted) qsort(seen, nseen, sizeof *seen, cmp_seen_desc);
+    entry_t *E = ENT(p);
+    for (size_t k = 0; k < nseen; k++) {
+        const seen_t *v = sorted ? &seen[nseen - 1 - k] : &seen[k];
+        if (E[v->idx].version == v->version) touch(p, v->idx);
+    }
+}
+
+static PyObject *Pool_prefix_run(Pool *p, PyObject *args) {
+    PyObject *prefs, *sufs;
+    int gallop;
+    double t;
+    if (!PyArg_ParseTuple(args, "OOpd", &prefs, &sufs, &gallop, &t)) return NULL;
+    PyObject *pf = PySequence_Fast(prefs, "prefixes must be a sequence of str");
+    if (!pf) return NULL;
+    PyObject *sf = PySequence_Fast(sufs, "suffixes must be a sequence of str");
+    if (!sf) {
+        Py_DECREF(pf);
+        return NULL;
+    }
+    Py_ssize_t np = PySequence_Fast_GET_SIZE(pf), n = PySequence_Fast_GET_SIZE(sf);
+    PyObject *res = NULL;
+    prefix_req_t q = {0};
+    char *buf = NULL;
+    uint64_t *hashes = NULL;
+    seen_t *seen = NULL;
+    size_t nseen = 0;
+    if (np < 1 || np > 1 << 16 || n > 1 << 24) {
+        PyErr_SetString(PyExc_ValueError, "prefix_run: 1..65536 prefixes and at most 2^24 suffixes");
+        goto out;
+    }
+    q.np = (uint32_t)np;
+    q.n = (uint32_t)n;
+    q.poff = malloc(sizeof(uint32_t) * 2 * np);
+    q.pstate = malloc(sizeof(uint64_t) * np);
+    q.soff = malloc(sizeof(uint32_t) * 2 * (n + 1));
+    if (!q.poff || !q.pstate || !q.soff) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    q.plen = q.poff + np;
+    q.slen = q.soff + n + 1;
+    size_t tot = 0;
+    for (Py_ssize_t k = 0; k < np + n; k++) {
+        PyObject *o = k < np ? PySequence_Fast_GET_ITEM(pf, k) : PySequence_Fast_GET_ITEM(sf, k - np);
+        Py_ssize_t l;
+        if (k >= np && PyBytes_Check(o)) {
+            l = 2 * PyBytes_GET_SIZE(o); /* a raw hash: its lowercase hex is the suffix */
+        } else if (!PyUnicode_Check(o) || !PyUnicode_AsUTF8AndSize(o, &l)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "prefix_run: prefixes must be str, suffixes str or bytes");
+            goto out;
+        }
+        if (l > MAX_KEY) l = MAX_KEY + 1; /* such a key is never present; keep the length only */
+        if (k < np) q.plen[k] = (uint32_t)l;
+        else q.slen[k - np] = (uint32_t)l;
+        tot += l > MAX_KEY ? 0 : l;
+    }
+    buf = malloc(tot + 1);
+    if (!buf) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    size_t o = 0;
+    for (Py_ssize_t k = 0; k < np + n; k++) {
+        PyObject *s = k < np ? PySequence_Fast_GET_ITEM(pf, k) : PySequence_Fast_GET_ITEM(sf, k - np);
+        Py_ssize_t l;
+        uint32_t *off = k < np ? &q.poff[k] : &q.soff[k - np];
+        *off = (uint32_t)o;
+        if (k >= np && PyBytes_Check(s)) {
+            static const char hexd[] = "0123456789abcdef";
+            const uint8_t *c = (const uint8_t *)PyBytes_AS_STRING(s);
+            l = 2 * PyBytes_GET_SIZE(s);
+            if (l <= MAX_KEY) {
+                for (Py_ssize_t i = 0; i < l / 2; i++) {
+                    buf[o++] = hexd[c[i] >> 4];
+                    buf[o++] = hexd[c[i] & 15];
+                }
+            }
+            continue;
+        }
+        const char *c = PyUnicode_AsUTF8AndSize(s, &l);
+        if (l <= MAX_KEY) {
+            memcpy(buf + o, c, l);
+            o += l;
+        }
+    }
+    q.buf = buf;
+    for (uint32_t j = 0; j < q.np; j++) q.pstate[j] = fnv_more(0xcbf29ce484222325ULL, buf + q.poff[j], q.plen[j]);
+    seen = malloc(sizeof(seen_t) * np * (gallop ? 128 : n + 1)); /* gallop: at most ~2 log2(n) probes */
+    if (!gallop && n) hashes = malloc(sizeof(uint64_t) * np * n);
+    if (!seen || (!gallop && n && !hashes)) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    int st = ST_OK;
+    Py_ssize_t hits = 0, probes = 0;
+    if (enter(p) < 0) {
+        st = ST_UNAVAILABLE;
+    } else {
+        double deadline = arg_deadline(t);
+        Py_BEGIN_ALLOW_THREADS
+        double slow = atomic_load(&p->delay_s);
+        if (slow > 0) { /* simulated slow store, as for the batch calls */
+            double left = deadline - now_mono();
+            if (left < 0) left = 0;
+            usleep((useconds_t)((slow < left ? slow : left) * 1e6));
+            if (slow >= left) st = ST_TIMEOUT;
+        }
+        if (!st) st = ensure_slot(p, deadline);
+        if (!st && !gallop) {
+            /* Keys are hashed outside the lock in growing blocks (16, 64, 256, ...
+             * chunks), each probed under the lock: a miss early costs little. */
+            uint32_t hashed = 0, block = 16;
+            while (!st && (uint32_t)hits == hashed && hashed < q.n) {
+                uint32_t end = q.n - hashed < block ? q.n : hashed + block;
+                for (uint32_t i = hashed; i < end; i++)
+                    for (uint32_t j = 0; j < q.np; j++)
+                        hashes[(size_t)i * q.np + j] = fnv_mix(fnv_more(q.pstate[j], buf + q.soff[i], q.slen[i]));
+                hashed = end;
+                block *= 4;
+                if ((st = pool_lock(p, deadline))) break;
+                while ((uint32_t)hits < hashed) {
+                    probes++;
+                    if (!chunk_present(p, &q, (uint32_t)hits, hashes + (size_t)hits * q.np, seen, &nseen)) break;
+                    hits++;
+                }
+                if ((uint32_t)hits < hashed || hashed == q.n) scan_touch(p, seen, nseen, 1); /* the last block */
+                pool_unlock(p);
+            }
+        } else if (!st && q.n) {
+            if (!(st = pool_lock(p, deadline))) {
+                /* lo: a run of lo chunks is believed present; hi: chunk hi is absent (or n) */
+                uint64_t lo = 0, hi = q.n, step = 1;
+                for (;;) {
+                    uint64_t i = lo + step - 1; /* probe the last chunk of the next block */
+                    if (i >= q.n) i = q.n - 1;
+                    probes++;
+                    if (!chunk_present(p, &q, (uint32_t)i, NULL, seen, &nseen)) {
+                        hi = i;
+                        break;
+                    }
+                    lo = i + 1;
+                    if (lo >= q.n) break;
+                    step *= 2;
+                }
+                while (lo < hi) {
+                    uint64_t mid = lo + (hi - lo) / 2;
+                    probes++;
+                    if (chunk_present(p, &q, (uint32_t)mid, NULL, seen, &nseen)) lo = mid + 1;
+                    else hi = mid;
+                }
+                hits = (Py_ssize_t)lo;
+                scan_touch(p, seen, nseen, 0);
+                pool_unlock(p);
+            }
+        }
+        Py_END_ALLOW_THREADS
+        leave(p);
+    }
+    res = Py_BuildValue("(Nnn)", status_obj(st), st == ST_OK ? hits : (Py_ssize_t)0, probes);
+out:
+    free(q.poff);
+    free(q.pstate);
+    free(q.soff);
+    free(buf);
+    free(hashes);
+    free(seen);
+    Py_DECREF(pf);
+    Py_DECREF(sf);
+    return res;
+}
+
+/* removed_since(cursor, limit, timeout_s) -> (Status, next_cursor, [(seq, key, tier, reason, moved_to)], lost).
+ * cursor: the sequence number of the next record wanted; -1: from now on. */
+static PyObject *Pool_removed_since(Pool *p, PyObject *args) {
+    long long cursor;
+    Py_ssize_t limit;
+    double t;
+    if (!PyArg_ParseTuple(args, "Lnd", &cursor, &limit, &t)) return NULL;
+    if (limit < 0) limit = 0;
+    if (enter(p) < 0) return Py_BuildValue("(NLNn)", status_obj(ST_UNAVAILABLE), cursor, PyList_New(0), (Py_ssize_t)0);
+    int st;
+    uint64_t next = 0, lost = 0, n = 0;
+    event_t *buf = NULL;
+    double deadline = arg_deadline(t);
+    Py_BEGIN_ALLOW_THREADS
+    st = ensure_slot(p, deadline);
+    if (!st) st = pool_lock(p, deadline);
+    if (!st) {
+        hdr_t *h = p->h;
+        uint64_t head = h->ev_next, oldest = head > h->ev_cap ? head - h->ev_cap : 0;
+        uint64_t from;
+        if (cursor < 0) from = head;
+        else if ((uint64_t)cursor > head) from = oldest; /* a cursor of an earlier pool of this name */
+        else if ((uint64_t)cursor < oldest) {
+            lost = oldest - (uint64_t)cursor; /* overwritten before this reader came back */
+            from = oldest;
+        } else from = (uint64_t)cursor;
+        n = head - from;
+        if (n > (uint64_t)limit) n = (uint64_t)limit;
+        buf = n ? malloc(sizeof(event_t) * n) : NULL;
+        if (n && !buf) n = 0;
+        for (uint64_t k = 0; k < n; k++) buf[k] = EVENTS(p)[(from + k) & (h->ev_cap - 1)];
+        next = from + n;
+        pool_unlock(p);
+    }
+    Py_END_ALLOW_THREADS
+    leave(p);
+    if (st) return Py_BuildValue("(NLNn)", status_obj(st), cursor, PyList_New(0), (Py_ssize_t)0);
+    static const char *tiers[] = {"cpu", "disk"};
+    static const char *reasons[] = {"", "evicted", "removed", "spilled", "promoted", "lost"};
+    PyObject *lst = PyList_New((Py_ssize_t)n);
+    for (uint64_t k = 0; lst && k < n; k++) {
+        event_t *ev = &buf[k];
+        PyObject *moved = ev->moved_to <= TIER_DISK ? PyUnicode_FromString(tiers[ev->moved_to]) : Py_NewRef(Py_None);
+        PyObject *item = Py_BuildValue("(KNssN)", (unsigned long long)ev->seq,
+                                       PyUnicode_DecodeUTF8(ev->key, ev->keylen, "replace"),
+                                       tiers[ev->tier <= TIER_DISK ? ev->tier : 0],
+                                       reasons[ev->reason <= R_LOST ? ev->reason : 0], moved);
+        if (!item) {
+            Py_CLEAR(lst);
+            break;
+        }
+        PyList_SET_ITEM(lst, (Py_ssize_t)k, item);
+    }
+    free(buf);
+    if (!lst) return NULL;
+    return Py_BuildValue("(NKNK)", status_obj(ST_OK), (unsigned long long)next, lst, (unsigned long long)lost);
 }
 
 static uint64_t shm_resident(Pool *p) {
@@ -2201,6 +2678,8 @@ static PyObject *Pool_stats(Pool *p, PyObject *args) {
     PUT("dead_reservations_reclaimed", snap.c_dead_reclaimed);
     PUT("read_retries", snap.c_retries);
     PUT("processes", live);
+    PUT("removal_records", snap.ev_next);
+    PUT("removal_ring", snap.ev_cap);
     PUT("shm_resident_bytes", resident);
     PUT("shm_size_bytes", snap.total_size);
 #undef PUT
@@ -2402,6 +2881,13 @@ static PyObject *Pool_debug_spill_stall(Pool *p, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Pool_debug_put_stall(Pool *p, PyObject *args) {
+    double secs;
+    if (!PyArg_ParseTuple(args, "d", &secs)) return NULL;
+    atomic_store(&p->put_stall_s, secs > 0 ? secs : 0);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Pool_debug_holder(Pool *p, PyObject *noargs) {
     if (!p->h || atomic_load(&p->closed)) return PyLong_FromLong(0);
     return PyLong_FromLong(atomic_load(&p->h->debug_holder));
@@ -2414,7 +2900,11 @@ static PyObject *Pool_close(Pool *p, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     while (atomic_load(&p->busy)) usleep(100);
     if (p->pid == getpid()) pool_detach(p, destroy);
-    else p->h = NULL; /* inherited from a parent: leave the parent's slot alone */
+    else { /* inherited from a parent: leave the parent's slot alone */
+        p->h = NULL;
+        if (p->lock_fd >= 0) close(p->lock_fd); /* the parent keeps its own descriptor */
+        p->lock_fd = -1;
+    }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -2429,13 +2919,19 @@ static PyMethodDef Pool_methods[] = {
     {"remove", (PyCFunction)Pool_remove, METH_VARARGS, "remove(keys, timeout_s) -> [Status]"},
     {"scan", (PyCFunction)Pool_scan, METH_VARARGS,
      "scan(prefix, remove, limit, timeout_s) -> (Status, count | [keys])"},
+    {"prefix_run", (PyCFunction)Pool_prefix_run, METH_VARARGS,
+     "prefix_run(prefixes, suffixes, gallop, timeout_s) -> (Status, chunks present from 0, probes)"},
     {"stats", (PyCFunction)Pool_stats, METH_VARARGS, "stats(timeout_s) -> (Status, dict)"},
+    {"removed_since", (PyCFunction)Pool_removed_since, METH_VARARGS,
+     "removed_since(cursor, limit, timeout_s) -> (Status, next_cursor, [(seq, key, tier, reason, moved_to)], lost)"},
     {"check", (PyCFunction)Pool_check, METH_VARARGS, "check(timeout_s) -> '' or a description of problems"},
     {"debug_corrupt", (PyCFunction)Pool_debug_corrupt, METH_VARARGS, "flip a byte of a stored object"},
     {"debug_hold_lock", (PyCFunction)Pool_debug_hold_lock, METH_VARARGS, "hold the pool lock for seconds"},
     {"debug_stall_put", (PyCFunction)Pool_debug_stall_put, METH_VARARGS, "reserve a put, then stall"},
     {"debug_spill_stall", (PyCFunction)Pool_debug_spill_stall, METH_VARARGS,
      "pause this handle's spills between their disk writes and finalizing them"},
+    {"debug_put_stall", (PyCFunction)Pool_debug_put_stall, METH_VARARGS,
+     "pause this handle's puts between reserving and copying in"},
     {"debug_delay", (PyCFunction)Pool_debug_delay, METH_VARARGS, "make data calls of this handle slow"},
     {"debug_holder", (PyCFunction)Pool_debug_holder, METH_NOARGS, "pid holding a debug hook (neg: stalled put)"},
     {"close", (PyCFunction)Pool_close, METH_VARARGS, "close(destroy=False)"},
@@ -2452,7 +2948,7 @@ static PyTypeObject PoolType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ascendstore.local._shmpool.Pool",
     .tp_basicsize = sizeof(Pool),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = PyType_GenericNew,
+    .tp_new = Pool_new,
     .tp_init = (initproc)Pool_init,
     .tp_dealloc = (destructor)Pool_dealloc,
     .tp_weaklistoffset = offsetof(Pool, weakreflist),
@@ -2476,6 +2972,8 @@ static PyObject *mod_unlink(PyObject *m, PyObject *arg) {
     const char *name = PyUnicode_AsUTF8(arg);
     if (!name) return NULL;
     char path[200];
+    snprintf(path, sizeof path, "/ascendstore-pool.%s.lock", name);
+    shm_unlink(path);
     snprintf(path, sizeof path, "/ascendstore-pool.%s", name);
     return PyBool_FromLong(shm_unlink(path) == 0);
 }
@@ -2515,12 +3013,55 @@ static PyObject *mod_checksum(PyObject *m, PyObject *args) {
     return PyLong_FromUnsignedLongLong(h);
 }
 
+/* copy_regions(dst_addrs, src_addrs, size) -> None: memcpy(dst[i], src[i], size)
+ * for every i in one call without the GIL. Benchmark baseline only: the same
+ * kind of call as a batched put/get (one C call, one memcpy per object). The
+ * addresses must be valid for size bytes; nothing is checked. */
+static PyObject *mod_copy_regions(PyObject *m, PyObject *args) {
+    PyObject *dsts, *srcs;
+    unsigned long long size;
+    if (!PyArg_ParseTuple(args, "OOK", &dsts, &srcs, &size)) return NULL;
+    PyObject *df = PySequence_Fast(dsts, "dst_addrs must be a sequence of int");
+    if (!df) return NULL;
+    PyObject *sf = PySequence_Fast(srcs, "src_addrs must be a sequence of int");
+    if (!sf) {
+        Py_DECREF(df);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(df);
+    uint64_t *a = NULL;
+    if (PySequence_Fast_GET_SIZE(sf) != n) {
+        PyErr_SetString(PyExc_ValueError, "copy_regions: as many sources as destinations");
+        goto out;
+    }
+    a = malloc(sizeof(uint64_t) * 2 * (n + 1));
+    if (!a) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        a[2 * i] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(df, i));
+        a[2 * i + 1] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(sf, i));
+    }
+    if (PyErr_Occurred()) goto out;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) memcpy((void *)(uintptr_t)a[2 * i], (const void *)(uintptr_t)a[2 * i + 1], size);
+    Py_END_ALLOW_THREADS
+out:
+    free(a);
+    Py_DECREF(df);
+    Py_DECREF(sf);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *mod_entry_size(PyObject *m, PyObject *noargs) { return PyLong_FromSize_t(sizeof(entry_t)); }
 
 static PyMethodDef mod_methods[] = {
     {"set_status_table", mod_set_status_table, METH_O, "results become these objects (index = code)"},
     {"unlink", mod_unlink, METH_O, "remove a pool's shared-memory name (by pool name)"},
     {"checksum", mod_checksum, METH_VARARGS, "checksum(data, pieces=(), scalar=False) -> int"},
+    {"copy_regions", mod_copy_regions, METH_VARARGS, "copy_regions(dsts, srcs, size): benchmark memcpy baseline"},
     {"entry_size", mod_entry_size, METH_NOARGS, "bytes of metadata per key slot"},
     {NULL},
 };
@@ -2530,6 +3071,7 @@ static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "_shmpool",
 
 PyMODINIT_FUNC PyInit__shmpool(void) {
     ck_setup();
+    pthread_atfork(fork_prepare, fork_parent, fork_child);
     if (PyType_Ready(&PoolType) < 0) return NULL;
     PyObject *m = PyModule_Create(&mod);
     if (!m) return NULL;

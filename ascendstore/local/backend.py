@@ -21,6 +21,7 @@ from ascendstore.contract import (
     Capabilities,
     Health,
     Region,
+    RemovalEvent,
     Status,
 )
 from ascendstore.local import _shmpool
@@ -74,6 +75,11 @@ class LocalHooks:
         before the victims leave DRAM (0 turns it off)."""
         self._pool.debug_spill_stall(seconds)
 
+    def stall_puts(self, seconds: float) -> None:
+        """This client's puts pause ``seconds`` after reserving their pages, before
+        copying in (a writer caught mid-put that then writes its bytes; 0: off)."""
+        self._pool.debug_put_stall(seconds)
+
     def holder(self) -> int:
         """pid in hold_lock (negative: in stall_put or a stalled spill), 0 if none; read without the lock."""
         return self._pool.debug_holder()
@@ -107,6 +113,7 @@ class LocalBackend(Backend):
             empty_objects=True,
             # In-process C calls whose lock waits honour the deadline: never abandoned.
             bounded_calls=True,
+            removal_events=True,
             max_key_bytes=_shmpool.MAX_KEY_BYTES,
             max_object_bytes=options.pages * options.page_size,
         )
@@ -153,6 +160,14 @@ class LocalBackend(Backend):
     def exists(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
         return self._pool.exists(keys, timeout_s)
 
+    def prefix_run(
+        self, prefixes: Sequence[str], suffixes: Sequence[str], timeout_s: float, gallop: bool = False
+    ) -> tuple[Status, int, int]:
+        """The lookup of a prompt in one native call: how many chunks from 0 are
+        present, chunk i being present when every ``prefix + suffixes[i]`` is.
+        Returns (status, chunks, chunks probed); see PoolLookup for ``gallop``."""
+        return self._pool.prefix_run(prefixes, suffixes, gallop, timeout_s)
+
     def put(self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float) -> list[Status]:
         return self._pool.put(keys, regions, timeout_s)
 
@@ -173,6 +188,15 @@ class LocalBackend(Backend):
     def list_keys(self, prefix: str = "", limit: int = 1000) -> Iterator[str]:
         status, keys = self._pool.scan(prefix, False, limit, self._ctx.timeout_s)
         return iter(keys if status is Status.OK else ())
+
+    def removed_since(self, cursor: int, limit: int = 4096) -> tuple[int, list[RemovalEvent], int]:
+        """Removal records of the whole pool (every process's evictions and
+        removals), read from the bounded ring in the segment. On a lock timeout
+        or a closed pool: the same cursor and no events."""
+        status, nxt, records, lost = self._pool.removed_since(cursor, limit, self._ctx.timeout_s)
+        if status is not Status.OK:
+            return cursor, [], 0
+        return nxt, [RemovalEvent(k, t, r, m, seq) for seq, k, t, r, m in records], lost
 
     def stats(self) -> Mapping[str, Any]:
         status, stats = self._pool.stats(self._ctx.timeout_s)

@@ -92,12 +92,14 @@ class AscendStoreScheduler:
         self._rpc = LookupClient(self.ctx.lookup_ipc_path(), self._lookup_timeout_s)
         log.info("AscendStore lookups: RPC to worker 0 at %s", self._rpc.path)
 
-    def _prefix_hits(self, tenant: str, hashes: list[str], start: int) -> int:
+    def _prefix_hits(self, tenant: str, hashes: list[str] | list[bytes], start: int) -> int:
         if self._lookup is not None:
             return self._lookup.prefix_hits(tenant, hashes, start)
         assert self._rpc is not None
         self.metrics.add(lookups=1)
-        return self._rpc.prefix_hits(tenant, hashes, start)
+        if start < len(hashes) and isinstance(hashes[start], bytes):
+            hashes = [h.hex() if isinstance(h, bytes) else h for h in hashes]
+        return self._rpc.prefix_hits(tenant, hashes, start)  # type: ignore[arg-type]
 
     def _bounds(self, request: Request, limit_tokens: int) -> list[tuple[int, int]]:
         nblocks = min(len(request.block_hashes), limit_tokens // self.ctx.block_size)
@@ -116,21 +118,34 @@ class AscendStoreScheduler:
         self._matched.pop(request.request_id, None)
         if not self.ctx.can_load or request.num_tokens < max(cfg.min_lookup_tokens, 1):
             return 0, False
-        bounds = self._bounds(request, request.num_tokens)
-        bs = self.ctx.block_size
+        # Chunk i covers blocks [i*bpc, min((i+1)*bpc, nblocks)) (as chunk_bounds), computed
+        # arithmetically: a 128k-token prompt has a thousand chunks, and this runs per
+        # waiting request per step, so no per-chunk Python object is made but the hashes.
+        bs, bpc = self.ctx.block_size, self.ctx.blocks_per_chunk
+        nblocks = min(len(request.block_hashes), request.num_tokens // bs)
+        nchunks = nblocks // bpc + (1 if nblocks % bpc and not cfg.discard_partial_chunks else 0)
         # First chunk not wholly on the device already.
-        start = next((i for i, (_, end) in enumerate(bounds) if end * bs > num_computed_tokens), len(bounds))
-        if start >= len(bounds):
+        start = num_computed_tokens // (bpc * bs)
+        if start < nchunks and min((start + 1) * bpc, nblocks) * bs <= num_computed_tokens:
+            start += 1  # the partial tail chunk is already on the device
+        if start >= nchunks:
             return 0, False
-        # Only chunks beyond the device hit are queried (long prompts: skip the rest).
-        hashes = [""] * start + [block_hash_hex(request.block_hashes[end - 1]) for _, end in bounds[start:]]
+        # Only chunks beyond the device hit are queried (long prompts: skip the rest). A
+        # chunk's key is the chained hash of its last block: every bpc-th hash, a slice.
+        bh = request.block_hashes
+        last = bh[start * bpc + bpc - 1 : nblocks : bpc]
+        if len(last) < nchunks - start:
+            last.append(bh[nblocks - 1])  # the partial tail chunk
+        if type(last[0]) is not bytes:  # older vLLM block hashes: hex strings per chunk
+            last = [block_hash_hex(h) for h in last]
+        hashes = [""] * start + last
         tenant = self.ctx.tenant(request.cache_salt)
         hit = self._prefix_hits(tenant, hashes, start)
         # A chunk that failed to load for this request is not offered again: vLLM
         # rewinds a failed async load to token 0 and asks again; offering the same
         # broken entry would loop forever.
         hit = min(hit, self._bad_from.get(request.request_id, hit))
-        hit_tokens = bounds[hit - 1][1] * bs if hit > start else 0
+        hit_tokens = min(hit * bpc, nblocks) * bs if hit > start else 0
         if hit_tokens >= request.num_tokens:
             # vLLM must compute at least one token to sample from.
             hit_tokens = request.num_tokens - 1

@@ -1,0 +1,146 @@
+"""The local pool's native prefix scan (``prefix_run``), which the scheduler's
+lookup uses: it must answer exactly what a batched ``exists`` + first miss
+answers (linear), never undercount when galloping, leave a prompt's chunks in
+an LRU order that evicts a prefix from its tail, and fail like the batch calls."""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+import numpy as np
+import pytest
+
+from ascendstore.contract import BackendContext, Region, Status
+from ascendstore.engine import BackendGuard, KeyBuilder, PoolLookup
+from ascendstore.keys import RankPart
+from ascendstore.local.backend import LocalBackend
+from ascendstore.local.options import LocalOptions
+
+KiB, MiB = 1 << 10, 1 << 20
+T = 5.0
+
+
+@pytest.fixture
+def make_pool():
+    opened: list[LocalBackend] = []
+
+    def make(**kw) -> LocalBackend:
+        kw.setdefault("name", f"t-{uuid.uuid4().hex[:10]}")
+        kw.setdefault("capacity", 4 * MiB)
+        kw.setdefault("page_size", 4 * KiB)
+        be = LocalBackend.create(LocalOptions(**kw), BackendContext())
+        opened.append(be)
+        return be
+
+    yield make
+    for be in opened:
+        be.destroy()
+
+
+PAYLOAD = np.arange(64, dtype=np.uint8)
+REGION = [Region(PAYLOAD.ctypes.data, 64)]
+
+
+def store(be: LocalBackend, keys: list[str]) -> None:
+    assert be.put(keys, [REGION] * len(keys), T) == [Status.OK] * len(keys)
+
+
+def by_exists(be: LocalBackend, prefixes: list[str], hexes: list[str]) -> int:
+    flat = [p + h for h in hexes for p in prefixes]
+    st = be.exists(flat, T)
+    first = next((i for i, s in enumerate(st) if s is not Status.OK), len(st))
+    return first // len(prefixes)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_linear_scan_matches_exists_with_random_holes(make_pool, seed):
+    be = make_pool()
+    rng = random.Random(seed)
+    prefixes = [f"m@{r}@" for r in range(rng.choice([1, 2, 4]))]
+    n = rng.choice([1, 5, 16, 17, 80, 300])
+    raw = [rng.randbytes(32) for _ in range(n)]
+    hexes = [h.hex() for h in raw]
+    store(be, [p + h for h in hexes for p in prefixes])
+    for _ in range(8):
+        # knock out one object of a random chunk (a chunk is loadable only whole)
+        i = rng.randrange(n)
+        be.remove([rng.choice(prefixes) + hexes[i]], T)
+        want = by_exists(be, prefixes, hexes)
+        for suffixes in (hexes, raw):
+            st, hits, probes = be.prefix_run(prefixes, suffixes, T)
+            assert (st, hits) == (Status.OK, want)
+            assert probes == min(want + 1, n)
+        st, hits, _ = be.prefix_run(prefixes, raw, T, gallop=True)
+        assert st is Status.OK and want <= hits <= n  # galloping may overcount past a hole, never under
+
+
+def test_gallop_is_exact_without_holes_and_probes_logarithmically(make_pool):
+    be = make_pool(max_keys=8192)
+    for n in (1, 2, 3, 31, 32, 33, 1000):
+        hexes = [f"{n}-{i:060x}" for i in range(n)]
+        store(be, ["g@" + h for h in hexes])
+        extra = [f"absent-{n}-{i}" for i in range(n // 2)]
+        for upto in (0, 1, n // 2, n):
+            q = hexes[:upto] + extra if upto < n else hexes
+            st, hits, probes = be.prefix_run(["g@"], q, T, gallop=True)
+            assert (st, hits) == (Status.OK, upto)
+            assert probes <= 2 * max(1, len(q)).bit_length() + 1
+
+
+def test_scan_leaves_chunk_zero_most_recently_used(make_pool):
+    # room for 8 objects: a ninth put evicts the least recently used one
+    be = make_pool(capacity=32 * KiB, page_size=4 * KiB, max_keys=64)
+    keys = [f"c@{i:04d}" for i in range(8)]
+    store(be, keys)  # saved in order: chunk 0 is the oldest now
+    assert be.prefix_run(["c@"], [k[2:] for k in keys], T)[:2] == (Status.OK, 8)
+    store(be, ["other"])
+    st = be.exists(keys, T)
+    assert st[:7] == [Status.OK] * 7 and st[7] is Status.NOT_FOUND  # the tail went, the prefix stays
+    assert be.prefix_run(["c@"], [k[2:] for k in keys], T)[:2] == (Status.OK, 7)
+
+
+def test_bad_input_and_failures(make_pool):
+    be = make_pool()
+    store(be, ["p@aa"])
+    assert be.prefix_run(["p@"], ["aa", "x" * 400], T)[:2] == (Status.OK, 1)  # an impossible key is absent
+    assert be.prefix_run(["p@"], [], T)[:2] == (Status.OK, 0)
+    with pytest.raises(TypeError):
+        be.prefix_run(["p@"], [1], T)
+    with pytest.raises(TypeError):
+        be.prefix_run([b"p@"], ["aa"], T)
+    with pytest.raises(ValueError):
+        be.prefix_run([], ["aa"], T)
+    hooks = be.test_hooks()
+    hooks.delay(1.0)
+    assert be.prefix_run(["p@"], ["aa"], 0.05)[:2] == (Status.TIMEOUT, 0)
+    hooks.delay(0)
+    be.close()
+    assert be.prefix_run(["p@"], ["aa"], T)[:2] == (Status.UNAVAILABLE, 0)
+
+
+def test_pool_lookup_uses_the_scan(make_pool):
+    be = make_pool()
+    kb = KeyBuilder(fingerprint="f" * 16, rank=RankPart(), layerwise=True, num_layers=3)
+    guard = BackendGuard(be, 1.0)
+    try:
+        lk = PoolLookup(guard, kb, 1.0)
+        assert lk._scan is not None
+        hashes = [bytes([i]) * 32 for i in range(6)]
+        store(be, kb.lookup_keys_flat("-", [h.hex() for h in hashes[:4]])[0])
+        before = guard.metrics.totals()
+        assert lk.prefix_hits("-", hashes) == 4
+        assert lk.prefix_hits("-", [h.hex() for h in hashes], start=2) == 4
+        assert lk.prefix_hits("-", hashes, start=6) == 6
+        after = guard.metrics.totals()
+        assert after["lookups"] - before["lookups"] == 2
+        assert after["lookup_keys"] - before["lookup_keys"] == 3 * (5 + 3)  # probes x objects per chunk
+        generic = PoolLookup(guard, kb, 1.0)
+        generic._scan = None
+        assert generic.prefix_hits("-", hashes) == 4  # bytes work on the exists path too
+        be.test_hooks().delay(2.0)
+        assert lk.prefix_hits("-", hashes) == 0  # a timeout is a miss, counted as an error
+        assert guard.metrics.totals()["lookup_errors"] - after["lookup_errors"] == 1
+    finally:
+        be.test_hooks().delay(0)
+        guard.close()
