@@ -206,10 +206,13 @@ def test_writers_and_readers_in_many_namespaces_never_mix_objects(opts):
             children.append(
                 Child(
                     {"role": "stress", "opts": o, "writer": w, "seconds": seconds, "size": 600 * KiB,
-                     "n_keys": 4, "stall": [0.01, 0.12], "put_ratio": put_ratio},
+                     "n_keys": 4, "stall": [0.02, 0.2], "put_ratio": put_ratio, "wait": True},
                     namespace=ns,
                 )
             )
+        for c in children:  # all open: start together
+            c.proc.stdin.write("go\n")
+            c.proc.stdin.flush()
         results = [c.read(timeout=seconds + 60) for c in children]
         for c in children:
             assert c.proc.wait(60) == 0

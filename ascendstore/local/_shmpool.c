@@ -681,7 +681,7 @@ static void disk_drop_oldest_segment(Pool *p) {
     hdr_t *h = p->h;
     uint64_t seg = h->disk_first_seg;
     entry_t *E = ENT(p);
-    while (h->disk_tail != NONE32 && E[h->disk_tail].disk_seg == (uint32_t)seg) {
+    while (h->disk_tail != NONE32 && E[h->disk_tail].disk_seg <= (uint32_t)seg) {
         entry_remove(p, h->disk_tail, R_EVICTED);
         h->c_disk_drops++;
     }
@@ -783,6 +783,32 @@ static int disk_spill(Pool *p, uint32_t i) {
     return 0;
 }
 
+/* Insert a DISK entry into the disk list, which stays ordered by disk position
+ * (newest at the head), so that dropping the oldest segment finds all of its
+ * objects at the tail. Spills of several processes can finish out of order
+ * (one writes into segment s while another already wrote s+1), so insert by
+ * position, not at the head: the walk passes only the spills that overtook
+ * this one. Lock held. */
+static void disk_list_insert(Pool *p, uint32_t i) {
+    hdr_t *h = p->h;
+    entry_t *E = ENT(p);
+    const entry_t *e = &E[i];
+    uint32_t after = NONE32, at = h->disk_head; /* insert between after and at */
+    while (at != NONE32 && (E[at].disk_seg > e->disk_seg || (E[at].disk_seg == e->disk_seg && E[at].disk_off > e->disk_off))) {
+        after = at;
+        at = E[at].next;
+    }
+    if (after == NONE32) {
+        lru_push_head(p, i, &h->disk_head, &h->disk_tail);
+        return;
+    }
+    E[i].prev = after;
+    E[i].next = at;
+    E[after].next = i;
+    if (at != NONE32) E[at].prev = i;
+    else h->disk_tail = i;
+}
+
 /* A LIVE entry whose bytes are now on disk: free its pages, move it to the disk list. */
 static void entry_to_disk(Pool *p, uint32_t i) {
     hdr_t *h = p->h;
@@ -796,7 +822,7 @@ static void entry_to_disk(Pool *p, uint32_t i) {
     e->state = E_DISK;
     e->owner = -1;
     e->version = ++h->next_version; /* readers of the old pages must look again */
-    lru_push_head(p, i, &h->disk_head, &h->disk_tail);
+    disk_list_insert(p, i);
     h->n_disk++;
     h->disk_live_bytes += e->size;
     h->c_spills++;
@@ -821,7 +847,7 @@ static uint32_t lru_victim(Pool *p, uint32_t tail) {
 static int seg_pinned(Pool *p, uint64_t seg) {
     entry_t *E = ENT(p);
     uint64_t now = now_ns();
-    for (uint32_t i = p->h->disk_tail; i != NONE32 && E[i].disk_seg == (uint32_t)seg; i = E[i].prev)
+    for (uint32_t i = p->h->disk_tail; i != NONE32 && E[i].disk_seg <= (uint32_t)seg; i = E[i].prev)
         if (E[i].pin_until && entry_pinned(p, &E[i], now)) {
             p->h->c_pinned_skips++;
             return 1;
@@ -2640,8 +2666,17 @@ static PyObject *Pool_check(Pool *p, PyObject *args) {
         for (uint32_t i = h->lru_head; i != NONE32 && cnt <= h->max_keys; i = E[i].next) cnt++;
         if (cnt != nl) PROBLEM("lru length %u != live %u; ", cnt, nl);
         cnt = 0;
-        for (uint32_t i = h->disk_head; i != NONE32 && cnt <= h->max_keys; i = E[i].next) cnt++;
+        int disorder = 0, dropped = 0;
+        for (uint32_t i = h->disk_head, prev = NONE32; i != NONE32 && cnt <= h->max_keys; prev = i, i = E[i].next) {
+            cnt++;
+            if (E[i].disk_seg < h->disk_first_seg) dropped++;
+            if (prev != NONE32 && (E[prev].disk_seg < E[i].disk_seg ||
+                                   (E[prev].disk_seg == E[i].disk_seg && E[prev].disk_off < E[i].disk_off)))
+                disorder++;
+        }
         if (cnt != nd) PROBLEM("disk list length %u != disk %u; ", cnt, nd);
+        if (disorder) PROBLEM("disk list out of position order at %d places; ", disorder);
+        if (dropped) PROBLEM("%d disk objects in dropped segments; ", dropped);
         if (h->disk_file_bytes > h->disk_capacity) PROBLEM("disk bytes over capacity; ");
         free(seen);
         (void)nr;
