@@ -20,7 +20,7 @@
  * leaves behind can pin memory. A writer's reservation names its process
  * slot; reservations of dead processes are reclaimed by a sweep. A slot is
  * alive while its process holds an OFD lock on the slot's byte of the lock
- * file next to the segment (/dev/shm/ascendstore-pool.<name>.lock): the kernel
+ * file next to the segment (/dev/shm/ascendstore-lock.<name>; a name no pool segment can have): the kernel
  * drops the lock when the process dies, whatever PID namespace it runs in, so
  * containers sharing /dev/shm judge each other correctly (pids would not).
  * A process that dies holding the lock makes the next locker get EOWNERDEAD; it then
@@ -55,7 +55,7 @@
 /* ------------------------------------------------------------------ constants */
 
 #define POOL_MAGIC 0x31305453414c5341ULL /* "ASLAST01" */
-#define POOL_LAYOUT 6u
+#define POOL_LAYOUT 7u
 #define NONE32 0xffffffffu
 #define MAX_KEY 256
 #define MAX_PROCS 512
@@ -1977,7 +1977,7 @@ static void prefault_arena(Pool *p) {
 /* Returns -1 and sets a Python error on failure. Called with the GIL. */
 static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int prefault) {
     snprintf(p->shm_name, sizeof p->shm_name, "/ascendstore-pool.%s", name);
-    snprintf(p->lock_name, sizeof p->lock_name, "/ascendstore-pool.%s.lock", name);
+    snprintf(p->lock_name, sizeof p->lock_name, "/ascendstore-lock.%s", name);
     p->lock_fd = -1;
     hdr_t want;
     memset(&want, 0, sizeof want);
@@ -2899,7 +2899,7 @@ static PyObject *mod_unlink(PyObject *m, PyObject *arg) {
     const char *name = PyUnicode_AsUTF8(arg);
     if (!name) return NULL;
     char path[200];
-    snprintf(path, sizeof path, "/ascendstore-pool.%s.lock", name);
+    snprintf(path, sizeof path, "/ascendstore-lock.%s", name);
     shm_unlink(path);
     snprintf(path, sizeof path, "/ascendstore-pool.%s", name);
     return PyBool_FromLong(shm_unlink(path) == 0);
