@@ -130,6 +130,7 @@ def test_a_stalled_writer_is_never_reclaimed_while_alive_and_is_once_killed(opts
         assert r["stats"]["dead_reservations_reclaimed"] == 0
         assert r["stats"]["processes"] == 3  # this test, the writer, the reader: each sees all three
         assert r["stats"]["pages_reserved"] == 12
+        assert reader.proc.wait(30) == 0  # the reader closed (detached) and exited
         assert be.stats()["dead_reservations_reclaimed"] == 0
         # the same from this process
         v = make_value("here", 512 * KiB, 1, 1)
