@@ -99,6 +99,8 @@ class Capabilities:
     detaches_calls: bool = False
     #: removed_since() reports objects leaving a tier (eviction, removal, tier moves).
     removal_events: bool = False
+    #: pin()/unpin(): a lookup can keep what it counted from eviction for a short lease.
+    pins: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +257,16 @@ class Backend(ABC):
     def list_keys(self, prefix: str = "", limit: int = 1000) -> Iterator[str]:
         """At most ``limit`` keys starting with ``prefix`` (only when
         capabilities.listing); nothing after close()."""
+        raise NotImplementedError
+
+    def pin(self, keys: Sequence[str], lease_s: float, timeout_s: float) -> list[Status]:
+        """``exists`` that also pins (only when ``capabilities.pins``): each key
+        found (OK) is not evicted until ``lease_s`` seconds pass, ``unpin`` is
+        called, or this process dies. Pinning again extends the lease."""
+        raise NotImplementedError
+
+    def unpin(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
+        """End this client's pins of the keys early (OK, or NOT_FOUND if absent)."""
         raise NotImplementedError
 
     def removed_since(self, cursor: int, limit: int = 4096) -> tuple[int, list[RemovalEvent], int]:

@@ -78,6 +78,8 @@ def main(cfg: dict) -> None:
         v = make_value(cfg["key"], cfg["size"], 5, 1)
         say(status=be.put([cfg["key"]], [regions(v)], cfg["secs"] + 10.0)[0].name)
     elif role == "stress":
+        if cfg.get("wait"):
+            sys.stdin.readline()  # "go": every stress process starts together
         rng = random.Random(cfg["writer"])
         writer, size, n_keys = cfg["writer"], cfg["size"], cfg["n_keys"]
         counts = {"put_ok": 0, "put_other": 0, "get_ok": 0, "miss": 0, "torn": 0, "get_other": 0}

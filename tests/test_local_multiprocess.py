@@ -162,6 +162,14 @@ def child_stalled_spill(opts: dict) -> None:
     be.put(["newcomer"], [[Region(v.ctypes.data, len(v))]], 90)  # spills the LRU object, then stalls
 
 
+def child_spill_then_stall(opts: dict, secs: float) -> None:
+    be = open_pool(opts)
+    be.test_hooks().stall_spills(secs)
+    v = np.zeros(64 * KiB, np.uint8)
+    be.put(["newcomer"], [[Region(v.ctypes.data, len(v))]], secs + 30)  # spills the LRU object, stalls, finishes
+    be.close()
+
+
 def child_hammer(opts: dict, seed: int) -> None:
     """Puts and gets 256 KiB objects until killed."""
     be = open_pool(opts)
@@ -353,6 +361,36 @@ def test_sigkill_mid_spill_keeps_the_object_in_dram(pool_opts, tmp_path):
         assert be.exists(["newcomer"], T) == [NOT_FOUND]
         assert be.put(["after"], [[Region(out.ctypes.data, len(out))]], T) == [OK]  # spills again, normally
         assert be.stats()["disk_objects"] == 1 and hooks.check() == ""
+    finally:
+        be.destroy()
+
+
+def test_spills_that_finish_out_of_order_leave_no_object_in_a_dropped_segment(pool_opts, tmp_path):
+    # a child's spill of v/0 (segment 0) finishes after this process's spills into later segments;
+    # the disk list must stay in position order, or dropping segment 0 leaves v/0 behind, pointing
+    # at a deleted file (found by exists, a miss on get, and wrong bytes once the path is re-created)
+    pool_opts.update(capacity=256 * KiB, page_size=64 * KiB, disk_path=str(tmp_path / "d"),
+                     disk_capacity=1 * MiB, disk_segment_size=128 * KiB, checksum=False)
+    be = open_pool(pool_opts)
+    try:
+        vals = [np.full(64 * KiB, i + 1, np.uint8) for i in range(24)]
+        def put(k, i):
+            return be.put([k], [[Region(vals[i].ctypes.data, 64 * KiB)]], T)
+        for i in range(4):
+            assert put(f"v/{i}", i) == [OK]
+        hooks = be.test_hooks()
+        p = run(child_spill_then_stall, pool_opts, 2.0)
+        wait_for(lambda: hooks.holder() == -p.pid)  # v/0 written to segment 0, not yet on the disk list
+        for i in range(4):
+            assert put(f"m/{i}", 4 + i) == [OK]  # spills v/1.. into segments 0, 1, 2: finished first
+        p.join(60)
+        assert p.exitcode == 0
+        assert be.stats()["disk_objects"] == 5 and hooks.check() == ""
+        for i in range(4, 20):  # past the disk capacity: segment 0 (v/0 and v/1) is dropped
+            assert put(f"m/{i}", 4 + i) == [OK]
+        assert be.stats()["disk_drops"] >= 2
+        assert be.exists(["v/0", "v/1"], T) == [NOT_FOUND, NOT_FOUND]
+        assert hooks.check() == ""
     finally:
         be.destroy()
 

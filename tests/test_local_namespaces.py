@@ -130,6 +130,7 @@ def test_a_stalled_writer_is_never_reclaimed_while_alive_and_is_once_killed(opts
         assert r["stats"]["dead_reservations_reclaimed"] == 0
         assert r["stats"]["processes"] == 3  # this test, the writer, the reader: each sees all three
         assert r["stats"]["pages_reserved"] == 12
+        assert reader.proc.wait(30) == 0  # the reader closed (detached) and exited
         assert be.stats()["dead_reservations_reclaimed"] == 0
         # the same from this process
         v = make_value("here", 512 * KiB, 1, 1)
@@ -206,10 +207,13 @@ def test_writers_and_readers_in_many_namespaces_never_mix_objects(opts):
             children.append(
                 Child(
                     {"role": "stress", "opts": o, "writer": w, "seconds": seconds, "size": 600 * KiB,
-                     "n_keys": 4, "stall": [0.01, 0.12], "put_ratio": put_ratio},
+                     "n_keys": 4, "stall": [0.02, 0.2], "put_ratio": put_ratio, "wait": True},
                     namespace=ns,
                 )
             )
+        for c in children:  # all open: start together
+            c.proc.stdin.write("go\n")
+            c.proc.stdin.flush()
         results = [c.read(timeout=seconds + 60) for c in children]
         for c in children:
             assert c.proc.wait(60) == 0
@@ -237,7 +241,7 @@ def test_the_segment_survives_while_another_namespace_still_uses_it(opts):
     o, children = opts
     o["capacity"] = 4 * MiB
     path = Path("/dev/shm/ascendstore-pool." + o["name"])
-    lock = Path(str(path) + ".lock")
+    lock = Path("/dev/shm/ascendstore-lock." + o["name"])
     be = open_pool(o)
     mine = make_value("mine", 100 * KiB, 1, 1)
     assert be.put(["mine"], [[Region(mine.ctypes.data, len(mine))]], 5.0) == [Status.OK]
@@ -297,3 +301,22 @@ def test_a_forked_child_that_never_uses_the_pool_does_not_keep_its_parent_alive(
         if bystander:
             os.kill(bystander, signal.SIGKILL)
         be.destroy()
+
+
+def test_the_lock_file_cannot_be_another_pools_segment(opts):
+    """Pool names may contain dots: the lock file's name is outside the pools' names."""
+    o, _children = opts
+    o["capacity"] = 1 * MiB
+    other = dict(o, name=o["name"] + ".lock")
+    a, b = open_pool(o), open_pool(other)
+    try:
+        v = make_value("k", 64 * KiB, 1, 1)
+        assert b.put(["k"], [[Region(v.ctypes.data, len(v))]], 5.0) == [Status.OK]
+        a.close()  # the last user of pool a removes its segment and lock file, nothing of pool b
+        assert Path("/dev/shm/ascendstore-pool." + other["name"]).exists()
+        out = np.zeros(len(v), np.uint8)
+        assert b.get(["k"], [[Region(out.ctypes.data, len(out))]], 5.0) == [Status.OK]
+        assert value_ok("k", out)
+    finally:
+        b.destroy()
+        _shmpool.unlink(other["name"])

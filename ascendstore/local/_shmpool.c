@@ -20,7 +20,7 @@
  * leaves behind can pin memory. A writer's reservation names its process
  * slot; reservations of dead processes are reclaimed by a sweep. A slot is
  * alive while its process holds an OFD lock on the slot's byte of the lock
- * file next to the segment (/dev/shm/ascendstore-pool.<name>.lock): the kernel
+ * file next to the segment (/dev/shm/ascendstore-lock.<name>; a name no pool segment can have): the kernel
  * drops the lock when the process dies, whatever PID namespace it runs in, so
  * containers sharing /dev/shm judge each other correctly (pids would not).
  * A process that dies holding the lock makes the next locker get EOWNERDEAD; it then
@@ -55,7 +55,7 @@
 /* ------------------------------------------------------------------ constants */
 
 #define POOL_MAGIC 0x31305453414c5341ULL /* "ASLAST01" */
-#define POOL_LAYOUT 5u
+#define POOL_LAYOUT 7u
 #define NONE32 0xffffffffu
 #define MAX_KEY 256
 #define MAX_PROCS 512
@@ -87,8 +87,13 @@ typedef struct {
     int32_t owner;      /* process slot of a RESERVED entry */
     uint32_t keylen;
     uint32_t has_sum;
+    uint64_t pin_until; /* CLOCK_MONOTONIC ns: not evicted before (while its pinner lives) */
+    int32_t pin_slot;   /* the pinning process's slot, PIN_SHARED when several pinned it */
+    uint32_t pad;
     char key[MAX_KEY];
 } entry_t;
+
+#define PIN_SHARED (-2)
 
 /* A slot is alive while in_use and its byte of the lock file is locked (see
  * slot_alive); pid is informational only (it means nothing across PID namespaces). */
@@ -128,7 +133,7 @@ typedef struct {
     uint64_t ev_next; /* sequence number of the next removal record */
     /* counters */
     uint64_t c_hits, c_misses, c_puts, c_evictions, c_spills, c_disk_hits, c_promotions, c_disk_drops,
-        c_corrupt, c_no_space, c_lock_recoveries, c_dead_reclaimed, c_retries;
+        c_corrupt, c_no_space, c_lock_recoveries, c_dead_reclaimed, c_retries, c_pinned_skips, c_pins;
 } hdr_t;
 
 /* Removal records: a bounded ring in the segment, written under the pool
@@ -478,6 +483,21 @@ static int slot_alive(Pool *p, int s) {
     return r != 0; /* held (1) or unknown (-1): alive */
 }
 
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* A lookup's pin holds until its lease ends or its process dies (a pin shared
+ * by several processes holds until its lease ends). Lock held. */
+static int entry_pinned(Pool *p, const entry_t *e, uint64_t now) {
+    if (!e->pin_until || e->pin_until <= now) return 0;
+    if (e->pin_slot == PIN_SHARED) return 1;
+    if (e->pin_slot < 0 || e->pin_slot >= MAX_PROCS) return 0;
+    return slot_alive(p, e->pin_slot);
+}
+
 /* ------------------------------------------------------------------ metadata helpers (lock held) */
 
 static void lru_unlink(Pool *p, uint32_t i, uint32_t *head, uint32_t *tail) {
@@ -661,7 +681,7 @@ static void disk_drop_oldest_segment(Pool *p) {
     hdr_t *h = p->h;
     uint64_t seg = h->disk_first_seg;
     entry_t *E = ENT(p);
-    while (h->disk_tail != NONE32 && E[h->disk_tail].disk_seg == (uint32_t)seg) {
+    while (h->disk_tail != NONE32 && E[h->disk_tail].disk_seg <= (uint32_t)seg) {
         entry_remove(p, h->disk_tail, R_EVICTED);
         h->c_disk_drops++;
     }
@@ -677,6 +697,8 @@ static void disk_drop_oldest_segment(Pool *p) {
     h->disk_first_seg++;
 }
 
+static int seg_pinned(Pool *p, uint64_t seg);
+
 /* Reserve size bytes at the end of the disk log, dropping the oldest segments
  * to stay within disk_capacity. Lock held. -1 if the object is too big. */
 static int disk_reserve(Pool *p, uint64_t size, uint64_t *seg, uint64_t *off) {
@@ -687,9 +709,16 @@ static int disk_reserve(Pool *p, uint64_t size, uint64_t *seg, uint64_t *off) {
         h->disk_cur_off = 0;
         h->seg_len[h->disk_cur_seg % MAX_SEGS] = 0;
     }
-    while (h->disk_file_bytes + size > h->disk_capacity && h->disk_first_seg <= h->disk_cur_seg)
+    /* a segment holding a pinned object is not dropped: the spill fails instead
+     * (and the caller evicts an unpinned DRAM object without spilling it) */
+    while (h->disk_file_bytes + size > h->disk_capacity && h->disk_first_seg <= h->disk_cur_seg) {
+        if (seg_pinned(p, h->disk_first_seg)) return -1;
         disk_drop_oldest_segment(p);
-    while (h->disk_cur_seg - h->disk_first_seg >= MAX_SEGS - 1) disk_drop_oldest_segment(p);
+    }
+    while (h->disk_cur_seg - h->disk_first_seg >= MAX_SEGS - 1) {
+        if (seg_pinned(p, h->disk_first_seg)) return -1;
+        disk_drop_oldest_segment(p);
+    }
     *seg = h->disk_cur_seg;
     *off = h->disk_cur_off;
     h->disk_cur_off += size;
@@ -754,6 +783,32 @@ static int disk_spill(Pool *p, uint32_t i) {
     return 0;
 }
 
+/* Insert a DISK entry into the disk list, which stays ordered by disk position
+ * (newest at the head), so that dropping the oldest segment finds all of its
+ * objects at the tail. Spills of several processes can finish out of order
+ * (one writes into segment s while another already wrote s+1), so insert by
+ * position, not at the head: the walk passes only the spills that overtook
+ * this one. Lock held. */
+static void disk_list_insert(Pool *p, uint32_t i) {
+    hdr_t *h = p->h;
+    entry_t *E = ENT(p);
+    const entry_t *e = &E[i];
+    uint32_t after = NONE32, at = h->disk_head; /* insert between after and at */
+    while (at != NONE32 && (E[at].disk_seg > e->disk_seg || (E[at].disk_seg == e->disk_seg && E[at].disk_off > e->disk_off))) {
+        after = at;
+        at = E[at].next;
+    }
+    if (after == NONE32) {
+        lru_push_head(p, i, &h->disk_head, &h->disk_tail);
+        return;
+    }
+    E[i].prev = after;
+    E[i].next = at;
+    E[after].next = i;
+    if (at != NONE32) E[at].prev = i;
+    else h->disk_tail = i;
+}
+
 /* A LIVE entry whose bytes are now on disk: free its pages, move it to the disk list. */
 static void entry_to_disk(Pool *p, uint32_t i) {
     hdr_t *h = p->h;
@@ -767,18 +822,45 @@ static void entry_to_disk(Pool *p, uint32_t i) {
     e->state = E_DISK;
     e->owner = -1;
     e->version = ++h->next_version; /* readers of the old pages must look again */
-    lru_push_head(p, i, &h->disk_head, &h->disk_tail);
+    disk_list_insert(p, i);
     h->n_disk++;
     h->disk_live_bytes += e->size;
     h->c_spills++;
+}
+
+/* The least recently used entry of a list (from its tail) that no live
+ * lookup has pinned; NONE32 if there is none. Lock held. */
+static uint32_t lru_victim(Pool *p, uint32_t tail) {
+    entry_t *E = ENT(p);
+    uint64_t now = 0;
+    for (uint32_t i = tail; i != NONE32; i = E[i].prev) {
+        if (!E[i].pin_until) return i;
+        if (!now) now = now_ns();
+        if (!entry_pinned(p, &E[i], now)) return i;
+        p->h->c_pinned_skips++;
+    }
+    return NONE32;
+}
+
+/* Does the oldest disk segment hold a pinned object? (Its objects sit at the
+ * tail of the disk list.) Lock held. */
+static int seg_pinned(Pool *p, uint64_t seg) {
+    entry_t *E = ENT(p);
+    uint64_t now = now_ns();
+    for (uint32_t i = p->h->disk_tail; i != NONE32 && E[i].disk_seg <= (uint32_t)seg; i = E[i].prev)
+        if (E[i].pin_until && entry_pinned(p, &E[i], now)) {
+            p->h->c_pinned_skips++;
+            return 1;
+        }
+    return 0;
 }
 
 /* Evict the least recently used DRAM object (spilling it when the disk tier
  * is on). Returns 0 when there was nothing to evict. */
 static int evict_one(Pool *p, int allow_spill) {
     hdr_t *h = p->h;
-    uint32_t i = h->lru_tail;
-    if (i == NONE32) return 0;
+    uint32_t i = lru_victim(p, h->lru_tail);
+    if (i == NONE32) return 0; /* empty, or every object is pinned */
     h->c_evictions++;
     if (allow_spill && h->disk_capacity && disk_spill(p, i) == 0) {
         lru_unlink(p, i, &h->lru_head, &h->lru_tail);
@@ -795,8 +877,9 @@ static uint32_t entry_alloc(Pool *p) {
     uint32_t i;
     if (h->free_entry_head != NONE32 || h->entries_hwm >= h->max_keys) {
         while (h->free_entry_head == NONE32) {
-            if (h->disk_tail != NONE32) {
-                entry_remove(p, h->disk_tail, R_EVICTED);
+            uint32_t d = lru_victim(p, h->disk_tail);
+            if (d != NONE32) {
+                entry_remove(p, d, R_EVICTED);
                 h->c_disk_drops++;
             } else if (!evict_one(p, 0)) {
                 return NONE32;
@@ -1091,6 +1174,7 @@ typedef struct {
 typedef struct {
     item_t *items;
     Py_ssize_t n;
+    uint64_t arg; /* per-operation argument (pin: the lease in ns) */
     char *keybuf;
     reg_t *regbuf;
     uint32_t *pagebuf;
@@ -1346,6 +1430,59 @@ static void op_exists(Pool *p, batch_t *b, double deadline) {
     pool_unlock(p);
 }
 
+/* exists + pin: every key found is kept from eviction until now + lease
+ * (b->arg ns) or until this process dies, whichever comes first. */
+static void op_pin(Pool *p, batch_t *b, double deadline) {
+    int st = pool_lock(p, deadline);
+    if (st) return set_pending(b, st);
+    uint64_t now = now_ns(), until = now + b->arg;
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        item_t *it = &b->items[i];
+        if (it->status != ST_PENDING) continue;
+        uint32_t x = find(p, it->key, it->klen, it->hash);
+        if (x == NONE32) {
+            it->status = ST_NOT_FOUND;
+            continue;
+        }
+        entry_t *e = &ENT(p)[x];
+        touch(p, x);
+        if (e->pin_slot == PIN_SHARED && e->pin_until > now) {
+            /* stays shared: ends with its lease only */
+        } else if (e->pin_slot != p->slot && entry_pinned(p, e, now)) {
+            e->pin_slot = PIN_SHARED; /* another live process pins it too */
+        } else {
+            e->pin_slot = p->slot;
+            if (e->pin_until <= now) e->pin_until = 0;
+        }
+        if (until > e->pin_until) e->pin_until = until;
+        p->h->c_pins++;
+        it->status = ST_OK;
+    }
+    pool_unlock(p);
+}
+
+/* Drop this process's pins of the keys (shared pins end with their lease). */
+static void op_unpin(Pool *p, batch_t *b, double deadline) {
+    int st = pool_lock(p, deadline);
+    if (st) return set_pending(b, st);
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        item_t *it = &b->items[i];
+        if (it->status != ST_PENDING) continue;
+        uint32_t x = find(p, it->key, it->klen, it->hash);
+        if (x == NONE32) {
+            it->status = ST_NOT_FOUND;
+            continue;
+        }
+        entry_t *e = &ENT(p)[x];
+        if (e->pin_slot == p->slot) {
+            e->pin_until = 0;
+            e->pin_slot = 0;
+        }
+        it->status = ST_OK;
+    }
+    pool_unlock(p);
+}
+
 typedef struct {
     uint32_t idx, ok;
     uint64_t version, seg, off, size;
@@ -1369,8 +1506,9 @@ static int spill_ahead(Pool *p, batch_t *b, double deadline) {
     entry_t *E = ENT(p);
     victim_t *v = NULL;
     size_t nv = 0, cap = 0;
-    while (have < need && h->lru_tail != NONE32) {
-        uint32_t i = h->lru_tail;
+    while (have < need) {
+        uint32_t i = lru_victim(p, h->lru_tail);
+        if (i == NONE32) break;
         entry_t *e = &E[i];
         uint64_t seg, off;
         h->c_evictions++;
@@ -1534,6 +1672,10 @@ static void op_put(Pool *p, batch_t *b, double deadline) {
             reservation_drop(p, it->idx); /* the key changed meanwhile: keep the newer value */
             it->status = ST_OK;
             continue;
+        }
+        if (old != NONE32) { /* the new value keeps a lookup's pin on the key */
+            en->pin_until = E[old].pin_until;
+            en->pin_slot = E[old].pin_slot;
         }
         /* a DRAM value replaced stays in DRAM (no record); a disk one moves to DRAM */
         if (old != NONE32 && E[old].state == E_DISK) {
@@ -1835,7 +1977,7 @@ static void prefault_arena(Pool *p) {
 /* Returns -1 and sets a Python error on failure. Called with the GIL. */
 static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int prefault) {
     snprintf(p->shm_name, sizeof p->shm_name, "/ascendstore-pool.%s", name);
-    snprintf(p->lock_name, sizeof p->lock_name, "/ascendstore-pool.%s.lock", name);
+    snprintf(p->lock_name, sizeof p->lock_name, "/ascendstore-lock.%s", name);
     p->lock_fd = -1;
     hdr_t want;
     memset(&want, 0, sizeof want);
@@ -2146,10 +2288,11 @@ static double arg_deadline(double timeout_s) { return now_mono() + (timeout_s > 
 
 typedef void (*op_fn)(Pool *, batch_t *, double);
 
-static PyObject *run_batch(Pool *p, PyObject *keys, PyObject *regions, double timeout_s, op_fn fn, int need_regs,
-                           int need_pages) {
+static PyObject *run_batch_arg(Pool *p, PyObject *keys, PyObject *regions, double timeout_s, op_fn fn,
+                               int need_regs, int need_pages, uint64_t arg) {
     batch_t b;
     if (batch_parse(&b, keys, need_regs ? regions : NULL) < 0) return NULL;
+    b.arg = arg;
     if (enter(p) < 0) {
         set_pending(&b, ST_UNAVAILABLE);
     } else {
@@ -2201,6 +2344,29 @@ static PyObject *run_batch(Pool *p, PyObject *keys, PyObject *regions, double ti
     PyObject *out = batch_result(&b);
     batch_free(&b);
     return out;
+}
+
+static PyObject *run_batch(Pool *p, PyObject *keys, PyObject *regions, double timeout_s, op_fn fn, int need_regs,
+                           int need_pages) {
+    return run_batch_arg(p, keys, regions, timeout_s, fn, need_regs, need_pages, 0);
+}
+
+static PyObject *Pool_pin(Pool *p, PyObject *args) {
+    PyObject *keys;
+    double lease, t;
+    if (!PyArg_ParseTuple(args, "Odd", &keys, &lease, &t)) return NULL;
+    if (!(lease > 0 && lease <= 3600)) {
+        PyErr_SetString(PyExc_ValueError, "lease_s must be > 0 and <= 3600 (pins are short leases)");
+        return NULL;
+    }
+    return run_batch_arg(p, keys, NULL, t, op_pin, 0, 0, (uint64_t)(lease * 1e9));
+}
+
+static PyObject *Pool_unpin(Pool *p, PyObject *args) {
+    PyObject *keys;
+    double t;
+    if (!PyArg_ParseTuple(args, "Od", &keys, &t)) return NULL;
+    return run_batch(p, keys, NULL, t, op_unpin, 0, 0);
 }
 
 static PyObject *Pool_exists(Pool *p, PyObject *args) {
@@ -2679,6 +2845,8 @@ static PyObject *Pool_stats(Pool *p, PyObject *args) {
     PUT("read_retries", snap.c_retries);
     PUT("processes", live);
     PUT("removal_records", snap.ev_next);
+    PUT("pins", snap.c_pins);
+    PUT("pinned_skips", snap.c_pinned_skips);
     PUT("removal_ring", snap.ev_cap);
     PUT("shm_resident_bytes", resident);
     PUT("shm_size_bytes", snap.total_size);
@@ -2748,8 +2916,17 @@ static PyObject *Pool_check(Pool *p, PyObject *args) {
         for (uint32_t i = h->lru_head; i != NONE32 && cnt <= h->max_keys; i = E[i].next) cnt++;
         if (cnt != nl) PROBLEM("lru length %u != live %u; ", cnt, nl);
         cnt = 0;
-        for (uint32_t i = h->disk_head; i != NONE32 && cnt <= h->max_keys; i = E[i].next) cnt++;
+        int disorder = 0, dropped = 0;
+        for (uint32_t i = h->disk_head, prev = NONE32; i != NONE32 && cnt <= h->max_keys; prev = i, i = E[i].next) {
+            cnt++;
+            if (E[i].disk_seg < h->disk_first_seg) dropped++;
+            if (prev != NONE32 && (E[prev].disk_seg < E[i].disk_seg ||
+                                   (E[prev].disk_seg == E[i].disk_seg && E[prev].disk_off < E[i].disk_off)))
+                disorder++;
+        }
         if (cnt != nd) PROBLEM("disk list length %u != disk %u; ", cnt, nd);
+        if (disorder) PROBLEM("disk list out of position order at %d places; ", disorder);
+        if (dropped) PROBLEM("%d disk objects in dropped segments; ", dropped);
         if (h->disk_file_bytes > h->disk_capacity) PROBLEM("disk bytes over capacity; ");
         free(seen);
         (void)nr;
@@ -2915,6 +3092,8 @@ static PyObject *Pool_get_closed(Pool *p, void *c) { return PyBool_FromLong(atom
 static PyMethodDef Pool_methods[] = {
     {"exists", (PyCFunction)Pool_exists, METH_VARARGS, "exists(keys, timeout_s) -> [Status]"},
     {"put", (PyCFunction)Pool_put, METH_VARARGS, "put(keys, regions, timeout_s) -> [Status]"},
+    {"pin", (PyCFunction)Pool_pin, METH_VARARGS, "pin(keys, lease_s, timeout_s) -> [Status]: exists + pin"},
+    {"unpin", (PyCFunction)Pool_unpin, METH_VARARGS, "unpin(keys, timeout_s) -> [Status]"},
     {"get", (PyCFunction)Pool_get, METH_VARARGS, "get(keys, regions, timeout_s) -> [Status]"},
     {"remove", (PyCFunction)Pool_remove, METH_VARARGS, "remove(keys, timeout_s) -> [Status]"},
     {"scan", (PyCFunction)Pool_scan, METH_VARARGS,
@@ -2972,7 +3151,7 @@ static PyObject *mod_unlink(PyObject *m, PyObject *arg) {
     const char *name = PyUnicode_AsUTF8(arg);
     if (!name) return NULL;
     char path[200];
-    snprintf(path, sizeof path, "/ascendstore-pool.%s.lock", name);
+    snprintf(path, sizeof path, "/ascendstore-lock.%s", name);
     shm_unlink(path);
     snprintf(path, sizeof path, "/ascendstore-pool.%s", name);
     return PyBool_FromLong(shm_unlink(path) == 0);

@@ -114,6 +114,7 @@ class LocalBackend(Backend):
             # In-process C calls whose lock waits honour the deadline: never abandoned.
             bounded_calls=True,
             removal_events=True,
+            pins=True,
             max_key_bytes=_shmpool.MAX_KEY_BYTES,
             max_object_bytes=options.pages * options.page_size,
         )
@@ -176,6 +177,16 @@ class LocalBackend(Backend):
 
     def remove(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
         return self._pool.remove(keys, timeout_s)
+
+    def pin(self, keys: Sequence[str], lease_s: float, timeout_s: float) -> list[Status]:
+        """exists + pin: an object found is neither evicted nor spilled (from DRAM
+        or from the disk tier) until the lease ends, unpin(), or this process
+        dies; a put that finds only pinned victims reports NO_SPACE. An explicit
+        remove still removes. lease_s: 0 < lease_s <= 3600."""
+        return self._pool.pin(keys, lease_s, timeout_s)
+
+    def unpin(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
+        return self._pool.unpin(keys, timeout_s)
 
     def remove_prefix(self, prefix: str, timeout_s: float) -> tuple[Status, int]:
         if (slow := self._hook_wait(timeout_s)) is not None:
