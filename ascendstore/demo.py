@@ -29,8 +29,9 @@ def main(argv: list[str] | None = None) -> int:
 
     app = get_app()
     print(
-        "AscendStore demo: GR workload through vLLM 0.33's scheduler + AscendStoreConnector "
-        "on the embedded local pool (CPU, fake model, modeled prefill time)",
+        "AscendStore demo (MODELED): GR workload through vLLM 0.33's scheduler + AscendStoreConnector "
+        "on the embedded local pool (CPU, fake model, modeled prefill time; `make demo` then measures "
+        "real servers)",
         flush=True,
     )
     try:
