@@ -66,6 +66,9 @@ class VllmServer:
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_s = 0.0
+        # vLLM refuses to start unless one max-length request fits the device cache
+        # (which also holds vLLM's null block).
+        max_model_len = min(max_model_len, (num_blocks - 1) * BLOCK_SIZE)
         args = [
             python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
