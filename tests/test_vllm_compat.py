@@ -50,3 +50,20 @@ def test_bench_real_without_a_cpu_build_says_what_to_do() -> None:
     res = CliRunner().invoke(get_app(), ["bench", "--real"])
     assert res.exit_code != 0
     assert "make setup-real" in res.output
+
+
+@pytest.mark.parametrize("use_mla,cpu,refused", [(True, True, True), (True, False, False), (False, True, False)])
+def test_mla_on_cpu_is_refused_at_start_up(monkeypatch, use_mla: bool, cpu: bool, refused: bool) -> None:
+    from types import SimpleNamespace
+
+    import vllm.platforms
+
+    from ascendstore.errors import ConfigError
+
+    monkeypatch.setattr(vllm.platforms, "current_platform", SimpleNamespace(is_cpu=lambda: cpu), raising=False)
+    cfg = SimpleNamespace(model_config=SimpleNamespace(use_mla=use_mla, model="tiny-mla"))
+    if refused:
+        with pytest.raises(ConfigError, match="MLA.*CPU"):
+            compat.require_servable_kv(cfg)
+    else:
+        compat.require_servable_kv(cfg)

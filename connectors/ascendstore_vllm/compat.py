@@ -83,3 +83,29 @@ def cache_hit_source(tier: str) -> Any | None:
     except ImportError:
         return None
     return CacheHitSource[tier]
+
+
+def require_servable_kv(vllm_config: Any) -> None:
+    """Fail at start-up for a model whose KV the connector cannot serve correctly here.
+
+    MLA on vLLM's CPU backend: vLLM turns prefix caching and chunked prefill off
+    there ("MLA is enabled on a non-GPU platform") because its CPU MLA kernels
+    cannot attend over a prefix computed earlier; KV loaded from a pool would be
+    attended to wrongly (measured: greedy tokens change after a pooled load)."""
+    mc = getattr(vllm_config, "model_config", None)
+    if not bool(getattr(mc, "use_mla", False)):
+        return
+    try:
+        from vllm.platforms import current_platform
+
+        on_cpu = bool(current_platform.is_cpu())
+    except Exception:
+        return
+    if on_cpu:
+        from ascendstore.errors import ConfigError
+
+        raise ConfigError(
+            f"model {getattr(mc, 'model', '?')!r} uses MLA, and vLLM's CPU backend cannot compute attention over a "
+            "prefix loaded from elsewhere (vLLM disables prefix caching and chunked prefill for MLA on CPU): "
+            "pooled KV would produce wrong tokens. AscendStoreConnector serves MLA on GPU and NPU platforms; "
+            "on CPU, run without the connector or use a non-MLA model.")
