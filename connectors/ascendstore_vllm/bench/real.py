@@ -41,6 +41,8 @@ class Side:
     cached_tokens: int = 0
     device_hit_tokens: float = 0.0
     pool_hit_tokens: float = 0.0
+    pool_load_s: float = 0.0
+    pool_save_s: float = 0.0
     start_s: float = 0.0
 
     def p(self, q: float) -> float:
@@ -127,6 +129,8 @@ def run_real(*, model: str = "llama", docs: int = 8, rounds: int = 3, max_tokens
             m = s.metrics()
             sides[name].device_hit_tokens = m.get("vllm:prefix_cache_hits_total", 0.0)
             sides[name].pool_hit_tokens = m.get("vllm:ascendstore_lookup_hit_tokens_total", 0.0)
+            sides[name].pool_load_s = m.get("vllm:ascendstore_load_time_s_total", 0.0)
+            sides[name].pool_save_s = m.get("vllm:ascendstore_save_time_s_total", 0.0)
         return {
             "vllm_cpu": real_vllm_available(), "model": path, "docs": docs, "rounds": rounds,
             "max_tokens": max_tokens, "device_blocks": num_blocks, "backend": backend, "wall_s": wall,
@@ -156,6 +160,7 @@ def format_report(rep: dict[str, Any]) -> str:
         f"{'hits: device prefix cache':28}{a['device_hit_tokens']:12.0f}{b['device_hit_tokens']:12.0f}",
         f"{'hits: pool':28}{a['pool_hit_tokens']:12.0f}{b['pool_hit_tokens']:12.0f}",
         f"{'prefill tokens saved':28}{a['cached_tokens']:12d}{b['cached_tokens']:12d}",
+        f"{'pool get / put time (s)':28}{'-':>12}{b['pool_load_s']:6.2f} / {b['pool_save_s']:.2f}",
         f"{'server start-up (s)':28}{a['start_s']:12.1f}{b['start_s']:12.1f}",
     ]
     if a["ttft_p50_s"] and b["ttft_p50_s"]:
