@@ -29,9 +29,8 @@ def main(argv: list[str] | None = None) -> int:
 
     app = get_app()
     print(
-        "AscendStore demo (MODELED): GR workload through vLLM 0.33's scheduler + AscendStoreConnector "
-        "on the embedded local pool (CPU, fake model, modeled prefill time; `make demo` then measures "
-        "real servers)",
+        "AscendStore demo: GR workload through vLLM 0.33's scheduler + AscendStoreConnector "
+        "on the embedded local pool (CPU, fake model, modeled prefill time)",
         flush=True,
     )
     try:
