@@ -13,14 +13,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ascendstore.contract import Backend, Health, Region, Status
 from ascendstore.engine.metrics import EngineMetrics
+
+if TYPE_CHECKING:
+    from ascendstore.engine.health import HealthMonitor
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +39,7 @@ class PendingCall:
     timeout: float
     ready: list[Status] | None
     deadline: float = 0.0
+    observe: bool = True  # False: answered by the degraded gate, not by the backend
 
 
 _STATUS_BY_VALUE: dict[int, Status] = {int(st): st for st in Status}
@@ -62,6 +66,11 @@ class BackendGuard:
         #: set once a call overran its deadline: the backend breaks its contract and
         #: a stuck call may still write later (the transfer engine then bounces gets).
         self.overran = False
+        #: health monitor: sees every keyed call's statuses and, while degraded,
+        #: has the guard answer UNAVAILABLE without calling the backend.
+        self.monitor: HealthMonitor | None = None
+        #: more observers of (op, statuses) per keyed call (metrics, tests).
+        self.observers: list[Callable[[str, list[Status]], None]] = []
 
     @property
     def capabilities(self):
@@ -75,22 +84,46 @@ class BackendGuard:
         with self._lock:
             self._stuck -= 1
 
-    def _call(self, op: str, n: int, args: tuple[Any, ...], timeout_s: float | None) -> list[Status]:
-        return self.result(self._submit(op, n, args, timeout_s))
+    def _call(
+        self, op: str, n: int, args: tuple[Any, ...], timeout_s: float | None, gated: bool = True
+    ) -> list[Status]:
+        return self.result(self._submit(op, n, args, timeout_s, gated))
 
-    def _submit(self, op: str, n: int, args: tuple[Any, ...], timeout_s: float | None) -> PendingCall:
+    def _submit(
+        self, op: str, n: int, args: tuple[Any, ...], timeout_s: float | None, gated: bool = True
+    ) -> PendingCall:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if n == 0:
             return PendingCall(op, 0, None, timeout, [])
+        if gated and self.monitor is not None and self.monitor.degraded:
+            # No traffic to a sick backend: the monitor's probes find out when it is back.
+            self.metrics.add(degraded_skipped_keys=n)
+            return PendingCall(op, n, None, timeout, [Status.UNAVAILABLE] * n, observe=False)
         with self._lock:
             if self._closed or self._stuck >= self._max_stuck:
                 self.metrics.add(unavailable=n)
-                return PendingCall(op, n, None, timeout, [Status.UNAVAILABLE] * n)
+                # Stuck calls are the backend's failure; a closed guard is ours.
+                return PendingCall(op, n, None, timeout, [Status.UNAVAILABLE] * n, observe=not self._closed)
         fut = self._pool.submit(getattr(self.backend, op), *args, timeout)
         return PendingCall(op, n, fut, timeout, None, time.monotonic() + timeout + GRACE_S)
 
     def result(self, call: PendingCall) -> list[Status]:
         """Statuses of a submitted call, waiting at most until its deadline."""
+        out = self._result(call)
+        if call.observe and out and (self.monitor is not None or self.observers):
+            self._observe(call.op, out)
+        return out
+
+    def _observe(self, op: str, statuses: list[Status]) -> None:
+        try:
+            if self.monitor is not None:
+                self.monitor.record(op, statuses)
+            for fn in self.observers:
+                fn(op, statuses)
+        except Exception:
+            log.exception("backend call observer failed")
+
+    def _result(self, call: PendingCall) -> list[Status]:
         if call.fut is None:
             return call.ready or []
         op, n, fut = call.op, call.n, call.fut
@@ -139,8 +172,8 @@ class BackendGuard:
         return out
 
     # -- the contract, guarded ------------------------------------------------------
-    def exists(self, keys: Sequence[str], timeout_s: float | None = None) -> list[Status]:
-        return self._call("exists", len(keys), (list(keys),), timeout_s)
+    def exists(self, keys: Sequence[str], timeout_s: float | None = None, *, gated: bool = True) -> list[Status]:
+        return self._call("exists", len(keys), (list(keys),), timeout_s, gated)
 
     def put(self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float | None = None) -> list[Status]:
         return self._call("put", len(keys), (list(keys), regions), timeout_s)
@@ -195,3 +228,5 @@ class BackendGuard:
         except Exception:
             log.exception("backend close() raised")
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.monitor is not None:
+            self.monitor.close()

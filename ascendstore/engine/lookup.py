@@ -25,6 +25,11 @@ class PoolLookup:
         todo = list(chunk_hashes[start:])
         if not todo:
             return start
+        health = self.guard.monitor
+        if health is not None and health.degraded:
+            # Degraded: no traffic to the sick backend; a miss costs a recompute.
+            self.guard.metrics.add(lookups=1, lookups_skipped_degraded=1)
+            return start
         # every chunk has the same objects (ranks x layers): ``width`` keys each
         flat, width = self.keys.lookup_keys_flat(tenant, todo)
         statuses = self.guard.exists(flat, self.timeout_s)
