@@ -173,12 +173,17 @@ def test_probe_exceptions_and_state_file(tmp_path, monkeypatch):
     be.set_faults(raise_rate={"exists": 1.0})  # a client that raises: UNAVAILABLE from the guard
     assert guard.exists(["k"]) == [Status.UNAVAILABLE]
     assert mon.degraded
-    [(_, state, _)] = read_states(instance_id="inst-a")
-    assert state["state"] == "degraded" and "exists" in state["last_failure"]
+
+    def state() -> dict:
+        [(_, st, _)] = read_states(instance_id="inst-a")
+        return st
+
+    # (the file is written right after the state flips)
+    assert wait_for(lambda: state()["state"] == "degraded")
+    assert "exists" in state()["last_failure"]
     be.set_faults(raise_rate={})
-    assert wait_for(lambda: not mon.degraded)
-    [(_, state, _)] = read_states(instance_id="inst-a")
-    assert state["state"] == "healthy" and state["recovered_count"] == 1
+    assert wait_for(lambda: state()["state"] == "healthy")
+    assert state()["recovered_count"] == 1
     guard.close()
     assert read_states(instance_id="inst-a") == [], "the state file goes with the process's guard"
 

@@ -1,0 +1,161 @@
+"""Degraded mode through the real vLLM 0.33 scheduler and worker connector lifecycle.
+
+The scheduler process and each worker keep their own health monitor (each
+judges the backend from its own calls). Here both live in one process, each
+with its own ``faulty`` client over one private ``local`` pool. A fault makes
+both degrade; from then on the scheduler's lookups (or worker 0's answers to
+RPC lookups) are 0 without a backend call, the worker skips saves, no step
+waits on the store, every request is computed byte-exact; once the fault is
+gone the probes resume traffic by themselves and the pool serves again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from chaos_helpers import pool_name, report
+from chaos_scenarios import BS, exact, faulty_extra, prompts, run_timed
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+from ascendstore_vllm.testing import EngineHarness, EngineSpec  # noqa: E402
+
+from ascendstore.chaos import live_backends  # noqa: E402
+
+SLACK = 1.0  # seconds: thread hand-off and vLLM's own step work on a loaded 2-core machine
+HEALTH = {"health_failure_threshold": 3, "health_probe_interval_ms": 50, "health_recovery_probes": 2}
+
+
+@pytest.fixture
+def engines():
+    made: list[EngineHarness] = []
+
+    def make(extra: dict, **spec) -> EngineHarness:
+        made.append(EngineHarness(EngineSpec(extra_config=extra, **spec)))
+        return made[-1]
+
+    yield make
+    for e in reversed(made):
+        e.close()
+
+
+def faults(**changes) -> None:
+    for b in live_backends():
+        b.set_faults(**changes)
+
+
+def injected() -> int:
+    return sum(sum(b.injected.values()) for b in live_backends())
+
+
+def monitors(eng: EngineHarness) -> list:
+    out = [w.connector.worker.guard.monitor for w in eng.workers]
+    guard = eng.connector.scheduler._guard
+    if guard is not None:  # lookup_mode rpc: the scheduler has no client; worker 0 answers
+        out.append(guard.monitor)
+    assert all(m is not None for m in out)
+    return out
+
+
+def serve(eng: EngineHarness, ps: list[list[int]], tag: str) -> list[float]:
+    for i, p in enumerate(ps):
+        eng.add_request(f"{tag}{i}", p)
+    return run_timed(eng)
+
+
+def wait_for(pred, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()
+
+
+@pytest.mark.parametrize("kind", ["down", "delay", "hang"])
+@pytest.mark.parametrize("mode", [{}, {"lookup_mode": "rpc"}], ids=["scheduler-lookup", "rpc-lookup"])
+def test_sick_store_degrades_every_process_then_resumes(engines, kind, mode):
+    ps = prompts(6, seed=21)
+    eng = engines(faulty_extra(pool_name(), timeout_ms=300, lookup_timeout_ms=200, **mode) | HEALTH)
+    mons = monitors(eng)
+    serve(eng, ps, "fill")
+    assert eng.scheduler.reset_prefix_cache()
+    fault = {"down": {"down": True}, "delay": {"delay_s": {"exists": 1.0, "get": 1.0, "put": 1.0}},
+             "hang": {"hang_s": {"exists": 1.0, "get": 1.0, "put": 1.0}}}[kind]
+    faults(**fault)
+    # First wave: calls fail until each process has seen 3 failures in a row.
+    times = serve(eng, ps[:3], "sick")
+    assert wait_for(lambda: all(m.degraded for m in mons)), [m.snapshot() for m in mons]
+    # Second wave, everyone degraded: no traffic but probes, every lookup 0, saves skipped.
+    assert eng.scheduler.reset_prefix_cache()
+    calls0, probes0 = injected(), sum(m.snapshot().probes for m in mons)
+    s0 = eng.stats_total()
+    t_deg = serve(eng, ps[3:] + [p[::-1] for p in ps[:2]], "deg")
+    s1 = eng.stats_total()
+    probes = sum(m.snapshot().probes for m in mons) - probes0
+    calls = injected() - calls0
+    assert all(m.degraded for m in mons)
+    faults(down=False, delay_s={}, hang_s={})
+    assert wait_for(lambda: not any(m.degraded for m in mons)), "monitors resume by themselves"
+    assert eng.scheduler.reset_prefix_cache()
+    serve(eng, ps, "back")
+    s2 = eng.stats_total()
+    f = {
+        "kind": kind, "mode": mode.get("lookup_mode", "scheduler"),
+        "worst_step_sick_s": round(max(times), 3), "worst_step_degraded_s": round(max(t_deg), 3),
+        "backend_calls_degraded": calls, "probes_degraded": probes,
+        "hit_tokens_degraded": s1.get("lookup_hit_tokens", 0) - s0.get("lookup_hit_tokens", 0),
+        "lookups_skipped": s1.get("lookups_skipped_degraded", 0) - s0.get("lookups_skipped_degraded", 0),
+        "saves_skipped": s1.get("save_skipped_degraded", 0) - s0.get("save_skipped_degraded", 0),
+        "hit_tokens_after": s2.get("lookup_hit_tokens", 0) - s1.get("lookup_hit_tokens", 0),
+        "transitions": [(m.snapshot().degraded_count, m.snapshot().recovered_count) for m in mons],
+    }
+    report("vllm_degraded_mode", **f)
+    every = [("sick", ps[:3]), ("deg", ps[3:] + [p[::-1] for p in ps[:2]]), ("back", ps)]
+    assert all(exact(eng, f"{t}{i}", p) for t, group in every for i, p in enumerate(group)), "KV must be exact"
+    assert eng.read_errors() == [] or kind != "down"
+    assert f["hit_tokens_degraded"] == 0 and f["lookups_skipped"] >= 5
+    assert f["saves_skipped"] > 0, "the worker saves nothing while degraded"
+    # A probe is health() + one exists per process; nothing else reaches the store.
+    assert calls <= probes + len(mons), f
+    assert f["worst_step_degraded_s"] < 0.3 + SLACK, f
+    assert f["worst_step_sick_s"] < 2 * 0.3 + SLACK, f
+    assert f["hit_tokens_after"] >= 6 * 6 * BS - 6 * BS, "the pool serves again after recovery"
+    assert all(t == (1, 1) for t in f["transitions"]), f["transitions"]
+
+
+def test_flapping_store_every_request_exact_and_few_transitions(engines):
+    ps = prompts(8, seed=22)
+    eng = engines(faulty_extra(pool_name(), timeout_ms=200, lookup_timeout_ms=150) | HEALTH)
+    mons = monitors(eng)
+    serve(eng, ps, "fill")
+    stop = threading.Event()
+
+    def flap() -> None:
+        down = False
+        while not stop.is_set():
+            down = not down
+            faults(down=down)
+            time.sleep(0.05)
+
+    t = threading.Thread(target=flap, daemon=True)
+    t.start()
+    times: list[float] = []
+    try:
+        for w in range(4):
+            assert eng.scheduler.reset_prefix_cache()
+            times += serve(eng, ps, f"flap{w}-")
+    finally:
+        stop.set()
+        t.join()
+        faults(down=False)
+    snaps = [m.snapshot() for m in mons]
+    report("vllm_flapping", worst_step_s=round(max(times), 3), steps=len(times),
+           transitions=[(s.degraded_count, s.recovered_count, s.recovery_probes_needed) for s in snaps])
+    assert all(exact(eng, f"flap{w}-{i}", p) for w in range(4) for i, p in enumerate(ps))
+    assert max(times) < 2 * 0.2 + SLACK
+    assert all(s.degraded_count <= 8 for s in snaps), snaps
+    assert wait_for(lambda: not any(m.degraded for m in mons))
