@@ -173,6 +173,13 @@ class HealthMonitor:
     def allows(self) -> bool:
         return not self.degraded
 
+    def degrade(self, reason: str) -> None:
+        """Switch to degraded mode now (planned maintenance, tests); probes resume it."""
+        with self._lock:
+            if not self.degraded:
+                self._last_failure = reason
+                self._degrade_locked()
+
     # -- transitions ------------------------------------------------------------------
     def _degrade_locked(self) -> None:
         now = self._clock()
