@@ -11,6 +11,14 @@ sick backend, so none is slower than ``timeout_ms``.
 While degraded a background thread probes every ``probe_interval_s``: the
 backend's ``health()`` and an ``exists`` of one small key, both bounded by the
 guard. After ``recovery_probes`` good probes in a row the monitor resumes.
+A lying health check (OK while the store fails) does not end degraded mode:
+the probe's exists must answer too.
+
+While healthy the same thread asks ``health()`` every ``WATCH_FACTOR`` probe
+intervals; a backend that reports itself sick is believed at once. Some
+stores fail quietly where the engine looks (a Mooncake client whose master is
+dead answers ``exists`` with "absent", not an error), so call outcomes alone
+would leave a lookup-only process (the scheduler) talking to a dead master.
 
 Flapping backends (up, down, up...) would turn every flap into two transitions;
 a backend that fails again shortly after it resumed needs twice as many good
@@ -55,6 +63,8 @@ FAILED_SHARE = 0.5
 MAX_RECOVERY_PROBES = 32
 #: key of the probe's exists (never written; NOT_FOUND is a good answer).
 PROBE_KEY = "ascendstore.health-probe"
+#: while healthy, health() is asked every this many probe intervals.
+WATCH_FACTOR = 5
 STATE_FILE_PREFIX = "ascendstore-health-"
 
 
@@ -81,6 +91,16 @@ class HealthSnapshot:
 
 
 Probe = Callable[[], tuple[bool, str]]
+
+
+def guard_watch(guard: BackendGuard) -> Probe:
+    """health() alone (the check while healthy: no keyed traffic)."""
+
+    def watch() -> tuple[bool, str]:
+        health = guard.health()
+        return health.ok, f"health {health.status.name} {dict(health.detail) or ''}".strip()
+
+    return watch
 
 
 def guard_probe(guard: BackendGuard, timeout_s: float) -> Probe:
@@ -113,6 +133,7 @@ class HealthMonitor:
         self,
         probe: Probe,
         *,
+        watch: Probe | None = None,
         failure_threshold: int = 5,
         probe_interval_s: float = 1.0,
         recovery_probes: int = 2,
@@ -125,6 +146,7 @@ class HealthMonitor:
         if failure_threshold < 1 or recovery_probes < 1 or probe_interval_s <= 0:
             raise ValueError("failure_threshold and recovery_probes must be >= 1, probe_interval_s > 0")
         self._probe = probe
+        self._watch = watch
         self.failure_threshold = failure_threshold
         self.probe_interval_s = probe_interval_s
         self.base_recovery_probes = recovery_probes
@@ -152,6 +174,13 @@ class HealthMonitor:
         if metrics is not None:
             metrics.set_state(degraded=0)
         self._publish()
+        if watch is not None:
+            self._start_thread()
+
+    def _start_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="ascendstore-health", daemon=True)
+            self._thread.start()
 
     # -- what the guard calls ---------------------------------------------------------
     def record(self, op: str, statuses: Sequence[Status]) -> None:
@@ -202,9 +231,8 @@ class HealthMonitor:
             self.probe_interval_s, self._recovery_needed,
         )
         self._publish()
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._probe_loop, name="ascendstore-health", daemon=True)
-            self._thread.start()
+        if not self._closed:
+            self._start_thread()
         self._wake.notify_all()
 
     def _recover_locked(self) -> None:
@@ -225,15 +253,33 @@ class HealthMonitor:
         self._publish()
 
     # -- probing ----------------------------------------------------------------------
-    def _probe_loop(self) -> None:
+    def _loop(self) -> None:
+        """Probe while degraded; while healthy, watch health() (or stop, without a watch)."""
         while True:
             with self._lock:
-                if self._closed or not self.degraded:
+                if self._closed or (not self.degraded and self._watch is None):
                     return
-                self._wake.wait(self.probe_interval_s)
-                if self._closed or not self.degraded:
+                was_degraded = self.degraded
+                self._wake.wait(self.probe_interval_s * (1 if was_degraded else WATCH_FACTOR))
+                if self._closed:
                     return
-            self.probe_now()
+                degraded = self.degraded
+            if degraded and was_degraded:
+                self.probe_now()
+            elif not degraded and not was_degraded:
+                self.watch_now()
+
+    def watch_now(self) -> bool:
+        """One health check while healthy: a backend that says it is sick is believed."""
+        if self._watch is None:
+            return True
+        try:
+            ok, why = self._watch()
+        except Exception as exc:
+            ok, why = False, f"health raised {exc!r}"
+        if not ok:
+            self.degrade(f"watch: {why}")
+        return ok
 
     def probe_now(self) -> bool:
         """One probe (the background thread's step; tests call it directly)."""
@@ -345,6 +391,7 @@ def attach_health(
     interval = config.health_probe_interval_ms / 1000
     monitor = HealthMonitor(
         guard_probe(guard, min(guard.timeout_s, interval)),
+        watch=guard_watch(guard),
         failure_threshold=config.health_failure_threshold,
         probe_interval_s=interval,
         recovery_probes=config.health_recovery_probes,

@@ -202,3 +202,36 @@ def test_monitor_off_and_metrics_state_reported_every_take():
     m.set_state(degraded=0)
     assert m.take() == {"degraded": 0}, "a return to 0 must reach Prometheus"
     assert EngineMetrics.merge({"degraded": 1}, {"degraded": 0})["degraded"] == 1
+
+
+def test_a_lying_health_check_does_not_end_an_outage():
+    """health() says OK while every keyed call fails: the probe's exists must pass too."""
+    be, guard = open_guard()
+    mon = monitor(guard, threshold=2, interval_s=0.02)
+    be.set_faults(down=True, health_status="OK")
+    guard.exists(["k"])
+    guard.exists(["k"])
+    assert mon.degraded
+    assert wait_for(lambda: mon.snapshot().probes >= 10)
+    assert mon.degraded and "probe: exists UNAVAILABLE" in mon.snapshot().last_failure
+    assert be.injected["health_lie"] >= 10
+    be.set_faults(down=False)
+    assert wait_for(lambda: not mon.degraded)
+    guard.close()
+
+
+def test_a_backend_reporting_itself_sick_is_believed_while_quietly_failing():
+    """Like a Mooncake client whose master died (exists answers 'absent', not an
+    error): call outcomes look fine, the background health watch degrades."""
+    be, guard = open_guard()
+    mon = monitor(guard, threshold=3, interval_s=0.02)
+    be.set_faults(health_status="UNAVAILABLE")
+    for _ in range(20):
+        assert guard.exists(["k"]) == [Status.NOT_FOUND]  # answers look fine
+    assert wait_for(lambda: mon.degraded), "the watch (health every 5 probe intervals) must see it"
+    assert "watch: health UNAVAILABLE" in mon.snapshot().last_failure
+    assert guard.exists(["k"]) == [Status.UNAVAILABLE] and guard.metrics.totals()["degraded_skipped_keys"] >= 1
+    be.set_faults(health_status=None)
+    assert wait_for(lambda: not mon.degraded)
+    assert guard.exists(["k"]) == [Status.NOT_FOUND]
+    guard.close()
