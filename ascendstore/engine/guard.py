@@ -220,6 +220,9 @@ class BackendGuard:
             if self._closed:
                 return
             self._closed = True
+        if self.monitor is not None:
+            # First: a closing client must not read as a sick backend.
+            self.monitor.close()
         fut = self._pool.submit(self.backend.close)
         try:
             fut.result(timeout=timeout_s)
@@ -228,5 +231,3 @@ class BackendGuard:
         except Exception:
             log.exception("backend close() raised")
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self.monitor is not None:
-            self.monitor.close()

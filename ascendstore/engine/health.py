@@ -196,7 +196,7 @@ class HealthMonitor:
             self._failures += 1
             bad = next(s for s in statuses if s in SICK)
             self._last_failure = f"{op}: {bad.name}"
-            if self._failures >= self.failure_threshold and not self.degraded:
+            if self._failures >= self.failure_threshold and not self.degraded and not self._closed:
                 self._degrade_locked()
 
     def allows(self) -> bool:
@@ -205,7 +205,7 @@ class HealthMonitor:
     def degrade(self, reason: str) -> None:
         """Switch to degraded mode now (planned maintenance, tests); probes resume it."""
         with self._lock:
-            if not self.degraded:
+            if not self.degraded and not self._closed:
                 self._last_failure = reason
                 self._degrade_locked()
 
