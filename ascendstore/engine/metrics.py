@@ -2,8 +2,9 @@
 
 Counters accumulate between ``take()`` calls (vLLM collects per interval and
 aggregates across workers by adding); gauges (queue depth) keep their peak.
-State gauges (``degraded``) are reported in every ``take()`` once set, so a
-return to 0 reaches Prometheus; across processes the maximum wins (1: some
+State gauges (``degraded``) are reported by ``take()`` while non-zero and once
+more after each change, so a return to 0 reaches Prometheus without a dict per
+step from every idle process; across processes the maximum wins (1: some
 process of the engine is degraded).
 
 Labelled counters (hits by tier and by tenant) travel in the same flat dict
@@ -101,6 +102,7 @@ class EngineMetrics:
         self._data: dict[str, float] = dict.fromkeys(self.fields, 0)
         self._total: dict[str, float] = dict.fromkeys(self.fields, 0)
         self._states: dict[str, float] = {}
+        self._changed: set[str] = set()
 
     def add(self, **deltas: float) -> None:
         with self._lock:
@@ -121,6 +123,8 @@ class EngineMetrics:
         with self._lock:
             for k, v in values.items():
                 assert k in STATES, k
+                if self._states.get(k) != v:
+                    self._changed.add(k)
                 self._states[k] = v
                 self._total[k] = v
 
@@ -136,7 +140,8 @@ class EngineMetrics:
         """Counters since the last take (zeros dropped), then reset."""
         with self._lock:
             out = {k: v for k, v in self._data.items() if v}
-            out.update(self._states)
+            out.update({k: v for k, v in self._states.items() if v or k in self._changed})
+            self._changed.clear()
             self._data = dict.fromkeys(self.fields, 0)
         return out
 

@@ -24,7 +24,8 @@ class AscendStoreStats(KVConnectorStats):
         return self
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        # A state gauge back at 0 is news (the degraded gauge must return to 0).
+        return not any(self.data.values()) and not any(k in self.data for k in STATES)
 
     def reduce(self) -> dict[str, int | float]:
         d = self.data

@@ -197,10 +197,15 @@ def test_monitor_off_and_metrics_state_reported_every_take():
     assert guard.monitor is None
     guard.close()
     m = EngineMetrics()
+    m.set_state(degraded=0)
+    assert m.take() == {"degraded": 0}
+    assert m.take() == {}, "an idle healthy process reports nothing"
     m.set_state(degraded=1)
     assert m.take() == {"degraded": 1}
+    assert m.take() == {"degraded": 1}, "reported while degraded"
     m.set_state(degraded=0)
     assert m.take() == {"degraded": 0}, "a return to 0 must reach Prometheus"
+    assert m.take() == {}
     assert EngineMetrics.merge({"degraded": 1}, {"degraded": 0})["degraded"] == 1
 
 
