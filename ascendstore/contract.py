@@ -86,6 +86,17 @@ class Capabilities:
     max_object_bytes: int = 1 << 30
     #: characters allowed in keys besides ASCII letters and digits.
     key_extra_chars: str = "@._:-/=+"
+    #: every call returns by itself within about ``timeout_s`` (plus the time to
+    #: copy its bytes). The engine then calls it on its own threads without a
+    #: watchdog and never abandons a call. False (the safe default): the engine's
+    #: guard runs calls on spare threads and stops waiting at the deadline.
+    bounded_calls: bool = False
+    #: on a timeout the backend may return while its library call goes on with
+    #: the call's regions (answer ``quiescent()`` False until it ends). The
+    #: engine lets calls use vLLM's KV blocks directly only when ``bounded_calls``
+    #: and not this; otherwise loads land in connector-owned buffers
+    #: (docs/failure-semantics.md).
+    detaches_calls: bool = False
 
 
 @dataclass
@@ -209,6 +220,15 @@ class Backend(ABC):
         """Backend-specific counters. By convention ``capacity_bytes`` (and
         ``disk_capacity_bytes`` for a second tier), ``used_bytes``, ``objects``."""
         return {}
+
+    def quiescent(self) -> bool:
+        """True when no call of this client is still running in the background.
+
+        A backend that gives up waiting on its own library (returns TIMEOUT while
+        a native call goes on) answers False until that call has ended: the
+        engine keeps the memory such a call was given (buffers, vLLM's blocks)
+        out of use until then. Default: calls never outlive their return."""
+        return True
 
     def test_hooks(self) -> BackendTestHooks | None:
         """Fault injection for the conformance suite; None when not offered."""

@@ -96,6 +96,8 @@ class LocalBackend(Backend):
             listing=True,
             scheduler_client=True,
             empty_objects=True,
+            # In-process C calls whose lock waits honour the deadline: never abandoned.
+            bounded_calls=True,
             max_key_bytes=_shmpool.MAX_KEY_BYTES,
             max_object_bytes=options.pages * options.page_size,
         )

@@ -202,6 +202,10 @@ class MooncakeBackend(Backend):
             needs_registration=opts.protocol != "tcp",
             scheduler_client=True,
             empty_objects=False,
+            # Native calls run under the backend's own deadline (it returns in
+            # time) but may go on after a timeout: see quiescent().
+            bounded_calls=True,
+            detaches_calls=True,
             max_key_bytes=4096,
             # An object must fit in one segment's free space: promise half of ours.
             max_object_bytes=(self._segment // 2) or (1 << 30),
@@ -454,6 +458,10 @@ class MooncakeBackend(Backend):
                 code = 2
         detail["mooncake_health"] = _HEALTH_CODES.get(code, str(code))
         return Health(Status.OK if code == 0 else Status.UNAVAILABLE, detail)
+
+    def quiescent(self) -> bool:
+        # A native call we stopped waiting for may still read or write its buffers.
+        return self._guard.inflight == 0
 
     def stats(self) -> Mapping[str, Any]:
         return {
