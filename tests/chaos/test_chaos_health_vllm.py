@@ -90,9 +90,17 @@ def test_sick_store_degrades_every_process_then_resumes(engines, kind, mode):
     fault = {"down": {"down": True}, "delay": {"delay_s": {"exists": 1.0, "get": 1.0, "put": 1.0}},
              "hang": {"hang_s": {"exists": 1.0, "get": 1.0, "put": 1.0}}}[kind]
     faults(**fault)
-    # First wave: calls fail until each process has seen 3 failures in a row.
-    times = serve(eng, ps[:3], "sick")
-    assert wait_for(lambda: all(m.degraded for m in mons)), [m.snapshot() for m in mons]
+    # Calls fail until each process has seen 3 failures in a row (a wave or a few:
+    # the worker calls the store only to save, the scheduler only to look up).
+    times: list[float] = []
+    sick: list[tuple[str, list[list[int]]]] = []
+    for w in range(6):
+        group = ps[:3] if w == 0 else prompts(3, seed=100 + w)
+        sick.append((f"sick{w}-", group))
+        times += serve(eng, group, f"sick{w}-")
+        if wait_for(lambda: all(m.degraded for m in mons), 2.0):
+            break
+    assert all(m.degraded for m in mons), [m.snapshot() for m in mons]
     # Second wave, everyone degraded: no traffic but probes, every lookup 0, saves skipped.
     assert eng.scheduler.reset_prefix_cache()
     calls0, probes0 = injected(), sum(m.snapshot().probes for m in mons)
@@ -119,7 +127,7 @@ def test_sick_store_degrades_every_process_then_resumes(engines, kind, mode):
         "transitions": [(m.snapshot().degraded_count, m.snapshot().recovered_count) for m in mons],
     }
     report("vllm_degraded_mode", **f)
-    every = [("sick", ps[:3]), ("deg", ps[3:] + [p[::-1] for p in ps[:2]]), ("back", ps)]
+    every = [*sick, ("deg", ps[3:] + [p[::-1] for p in ps[:2]]), ("back", ps)]
     assert all(exact(eng, f"{t}{i}", p) for t, group in every for i, p in enumerate(group)), "KV must be exact"
     assert eng.read_errors() == [] or kind != "down"
     assert f["hit_tokens_degraded"] == 0 and f["lookups_skipped"] >= 5
@@ -127,7 +135,7 @@ def test_sick_store_degrades_every_process_then_resumes(engines, kind, mode):
     # A probe is health() + one exists per process; nothing else reaches the store,
     # so no step can wait on it (step times are reported, not asserted: CPU share varies).
     assert calls <= probes + len(mons), f
-    assert f["timeouts_degraded"] <= probes, f
+    assert f["timeouts_degraded"] <= probes + 4 * len(mons), f  # calls in flight at the switch may still time out
     layers = 2 if mode.get("use_layerwise") else 1
     assert f["worst_step_sick_s"] < 2 * layers * 0.3 + SLACK, f
     assert f["hit_tokens_after"] >= 6 * 6 * BS - 6 * BS, "the pool serves again after recovery"
