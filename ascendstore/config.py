@@ -68,10 +68,15 @@ class GRConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: Bool = Field(False, description="requests carrying a uid use the user-granular pool (docs/gr-mode.md)")
-    #: device-side user-level LRU (extension of vLLM's KV cache manager).
-    user_lru: Bool = Field(False, description="evict whole least-recently-used idle users from the device")
-    max_resident_users: int = Field(0, ge=0, description="users whose history may stay on the device; 0: unlimited")
-    min_free_blocks: int = Field(0, ge=0, description="device blocks the user LRU keeps free beyond each allocation")
+    #: device-side user-level LRU (extension of vLLM's KV cache manager); on by default
+    #: as in the GR design (VLLM_ENABLE_USER_KV_LRU, VLLM_USER_KV_LRU_MAX_USERS=100).
+    user_lru: Bool = Field(True, description="evict whole least-recently-used idle users from the device")
+    max_resident_users: int = Field(
+        100, ge=0, description="users whose history may stay on the device (user LRU); 0: unlimited"
+    )
+    min_free_blocks: int = Field(
+        16, ge=0, description="device blocks the user LRU keeps free beyond each allocation"
+    )
     #: pool lifecycle per user
     ttl_s: float = Field(0.0, ge=0, description="a user unused this long leaves the pool; 0: no expiry")
     user_quota_bytes: ByteSize = Field(0, description="pool bytes per user (all ranks); 0: no quota")

@@ -2,7 +2,11 @@
 
 Drives vLLM's real scheduler and AscendStoreConnector on CPU (``ascendstore
 bench``, provided by the ascendstore-vllm package through the CLI's entry
-points, so the core still never imports vLLM) and prints the report table.
+points, so the core still never imports vLLM) in GR mode -- user-granular
+pool, device-side user LRU on with the GR design's defaults (at most 100
+resident users, a floor of free blocks) -- then the same trace with the
+block-granular chunk pool for contrast. Prints each run's table (three-level
+hits and the five GR statistics) and one line per granularity.
 Finishes in well under two minutes on a laptop-class CPU.
 
     python -m ascendstore.demo [--json out/demo.json] [--plot out/demo]
@@ -17,7 +21,7 @@ import sys
 #: so vLLM's own prefix cache evicts histories and the pool matters.
 # fmt: off
 DEMO_ARGS = [
-    "bench", "--workload", "gr", "--backend", "local",
+    "bench", "--workload", "gr", "--backend", "local", "--granularity", "both",
     "-p", "users=32", "-p", "requests=128", "-p", "history_tokens=768", "-p", "candidates=12",
     "--layers", "4", "--kv-heads", "4", "--head-size", "32",
 ]
@@ -30,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     app = get_app()
     print(
         "AscendStore demo: GR workload through vLLM 0.33's scheduler + AscendStoreConnector "
-        "on the embedded local pool (CPU, fake model, modeled prefill time)",
+        "on the embedded local pool (CPU, fake model, modeled prefill time): GR mode "
+        "(user-granular, user LRU on), then block-granular on the same trace",
         flush=True,
     )
     try:

@@ -11,6 +11,7 @@ import pytest
 from ascendstore_vllm.bench.driver import BenchDriver, run_bench
 from typer.testing import CliRunner
 
+from ascendstore.bench.report import BenchReport
 from ascendstore.bench.spec import BenchSpec
 from ascendstore.bench.workloads import make_workload
 from ascendstore.cli import common as cli_common
@@ -107,6 +108,15 @@ def test_bigger_pool_saves_more_and_both_granularities_run():
     assert user.connector_stats.get("gr_saves", 0) > 0 and user.connector_stats.get("gr_dram_hits", 0) > 0
     assert not any("no GR activity" in n for n in user.notes)
     assert user.hit_tokens.pool > 0 and user.bytes_saved < block.bytes_saved
+    # every GR report carries the design's five counters, with the user LRU on by default
+    from ascendstore.gr.stats import SEED_COUNTERS
+
+    assert block.gr is None and user.gr is not None and list(user.gr)[:5] == list(SEED_COUNTERS)
+    assert user.gr["dram_hits"] == user.connector_stats["gr_dram_hits"] > 0
+    assert user.gr["swapin_successes"] == user.gr["swapin_attempts"] >= user.gr["dram_hits"]
+    assert user.gr["device_hits"] + user.gr["dram_hits"] + user.gr["dram_misses"] == user.requests
+    assert user.config["gr"].get("user_lru", True) is True
+    assert BenchReport.model_validate_json(user.to_json()).gr == user.gr
 
 
 def test_verifier_catches_wrong_kv_from_the_pool():

@@ -61,3 +61,21 @@ def test_pool_rm_user_of_a_tenant_leaves_the_same_uid_of_other_tenants():
         assert [UserKey.parse(k).tenant for k in backend.list_keys("")] == [tenant_id("globex")] * 2
     finally:
         backend.close()
+
+
+def test_doctor_says_whether_gr_mode_is_on():
+    """Without gr.enabled, GR requests are pooled block-wise: doctor says so; with it,
+    doctor shows the user-LRU defaults of the GR design."""
+    from typer.testing import CliRunner
+
+    from ascendstore.cli import get_app
+
+    opts = json.dumps({"name": "grdoc-" + uuid.uuid4().hex[:8], "capacity": "8MiB", "page_size": "4KiB"})
+    common = ["doctor", "--backend", "local", "--backend-config", opts]
+    res = CliRunner().invoke(get_app(), common)
+    text = " ".join(res.output.split())
+    assert res.exit_code == 0 and "GR mode is off" in text and "candidates included" in text, res.output
+    res = CliRunner().invoke(get_app(), [*common, "--kv-transfer-config", '{"gr": {"enabled": true}}'])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 0 and "ok GR mode: on" in text, res.output
+    assert "user LRU on (max_resident_users=100, min_free_blocks=16)" in text

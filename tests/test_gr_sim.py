@@ -35,3 +35,17 @@ def test_sweep_table_and_bad_input():
         run_gr_bench("chunk", 0.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="pool_capacity"):
         run_gr_bench("user", 0)
+
+
+def test_tiered_inclusive_pool_smaller_than_the_device_serves_nothing_victim_admission_does():
+    """The investigation behind docs/gr-mode.md: with a device cache of 20% of the
+    working set in front, an inclusive pool (writes what it misses) of 10% holds only
+    users the device holds too; admitting the device's victims instead serves more."""
+    from ascendstore.gr.sim import GRWorkload, run_tiered
+
+    w = GRWorkload(users=200, requests=4000, seed=3)
+    for g in ("user", "block"):
+        inc = run_tiered(g, 0.1, 0.2, "inclusive", w)
+        vic = run_tiered(g, 0.1, 0.2, "victim", w)
+        assert inc.pool_fraction < 0.01 < vic.pool_fraction
+        assert vic.saved_fraction > inc.saved_fraction

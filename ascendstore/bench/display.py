@@ -65,6 +65,20 @@ def report_table(report: BenchReport) -> Table:
                 f"{_pct(r.pool_capacity_fraction)} of working set ({_bytes(r.pool_capacity_bytes or 0)})",
             ),
         )
+    g = r.gr
+    if g is not None:
+        lookups = g["device_hits"] + g["dram_hits"] + g["dram_misses"]
+        at = rows.index(("pool load errors (recomputed tokens)", f"{r.load_errors}"))
+        rows[at:at] = [
+            (
+                "GR hits: device / DRAM / miss",
+                f"{g['device_hits']} / {g['dram_hits']} / {g['dram_misses']}  "
+                f"({_pct((g['device_hits'] + g['dram_hits']) / max(1, lookups))} hit)",
+            ),
+            ("GR lru_evictions", f"{g['lru_evictions']}"),
+            ("GR dram_hits / dram_misses", f"{g['dram_hits']} / {g['dram_misses']}"),
+            ("GR swapin_attempts / swapin_successes", f"{g['swapin_attempts']} / {g['swapin_successes']}"),
+        ]
     for k, v in rows:
         t.add_row(k, v)
     return t
@@ -72,20 +86,31 @@ def report_table(report: BenchReport) -> Table:
 
 def sweep_table(reports: Sequence[BenchReport]) -> Table:
     """One row per run: the granularity x pool-capacity comparison."""
-    t = Table(title="pool granularity x capacity")
-    for col in ("workload", "granularity", "capacity", "pool hit", "saved", "bound", "lookup p50 us"):
-        t.add_column(col, justify="right")
+    bounds = sorted({_pct(r.infinite_cache_bound_ratio) for r in reports})
+    t = Table(title=f"pool granularity x capacity (infinite-cache bound {', '.join(bounds)})")
+    cols = ["gran.", "cap.", "device", "pool", "saved"]
+    gr = any(r.gr is not None for r in reports)
+    if gr:  # the GR three-level hits (requests) and the design's counters
+        cols += ["GR d/p/miss", "lru_ev", "swapin"]
+    for col in cols:
+        t.add_column(col, justify="right", no_wrap=True)
     for r in reports:
         cap = "-" if r.pool_capacity_fraction is None else _pct(r.pool_capacity_fraction)
-        t.add_row(
-            r.workload,
+        row = [
             r.granularity,
             cap,
+            _pct(r.hit_tokens.device / max(1, r.prompt_tokens)),
             _pct(r.hit_tokens.pool / max(1, r.prompt_tokens)),
             _pct(r.prefill_tokens_saved_ratio),
-            _pct(r.infinite_cache_bound_ratio),
-            f"{r.lookup_latency_us.p50:.0f}",
-        )
+        ]
+        if gr:
+            g = r.gr
+            row += (
+                [f"{g['device_hits']}/{g['dram_hits']}/{g['dram_misses']}", f"{g['lru_evictions']}",
+                 f"{g['swapin_successes']}/{g['swapin_attempts']}"]
+                if g is not None else ["-", "-", "-"]
+            )
+        t.add_row(*row)
     return t
 
 

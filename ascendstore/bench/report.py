@@ -16,6 +16,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from ascendstore.bench.cost import PrefillCostModel
+from ascendstore.gr.stats import SEED_COUNTERS
 
 SCHEMA_VERSION = 1
 
@@ -103,6 +104,9 @@ class BenchReport(_Model):
     wall_s: float
     #: the connector's own counters (vLLM connector stats), summed over the run.
     connector_stats: dict[str, float] = Field(default_factory=dict)
+    #: GR counters of a user-granular run: the design's five (lru_evictions, dram_hits,
+    #: dram_misses, swapin_attempts, swapin_successes) always, then the three-level hits.
+    gr: dict[str, int] | None = None
     #: the backend's own counters at the end of the run (e.g. local: hits, disk_hits, evictions).
     backend_stats: dict[str, float] = Field(default_factory=dict)
     #: caveats about this run (printed under the table).
@@ -211,11 +215,22 @@ def build_report(
         connector_overhead_ratio=_ratio(connector_s, no_cache),
         wall_s=wall_s,
         connector_stats=dict(connector_stats or {}),
+        gr=gr_counters(connector_stats or {}) if granularity == "user" else None,
         backend_stats=dict(backend_stats or {}),
         notes=list(notes or []),
         per_request=list(records),
         lookup_latency_samples_us=[float(x) for x in list(lookup_latency_us)[::step]],
     )
+
+
+#: GR counters every user-granular report carries (zeros included), in this order.
+GR_REPORTED = (*SEED_COUNTERS, "device_hits", "hit_tokens_device", "hit_tokens_pool", "saves", "invalid_inputs")
+
+
+def gr_counters(connector_stats: dict[str, float]) -> dict[str, int]:
+    """The GR counters of a run's connector stats (``gr_``-prefixed inside
+    AscendStoreConnector's, bare from AscendStoreGRConnector)."""
+    return {k: int(connector_stats.get("gr_" + k, connector_stats.get(k, 0))) for k in GR_REPORTED}
 
 
 def report_schema() -> dict[str, Any]:

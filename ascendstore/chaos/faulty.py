@@ -129,6 +129,8 @@ class InjectedFault(RuntimeError):
 
 class FaultyBackend(Backend):
     Options = FaultyOptions
+    #: a test tool: `ascendstore backends` marks it, the guide lists it as one.
+    test_tool = True
 
     def __init__(self, inner: Backend, options: FaultyOptions, ctx: BackendContext) -> None:
         self.inner = inner

@@ -173,6 +173,23 @@ def check_engine_health(checks: Checks, cfg: AscendStoreConfig) -> None:
             checks.ok(what, f"healthy since {since}; {history}")
 
 
+def check_gr(checks: Checks, cfg: AscendStoreConfig) -> None:
+    """GR mode: on with which device-side user LRU, or off (and what that means for GR traffic)."""
+    gr = cfg.gr
+    if gr.enabled:
+        lru = (
+            f"user LRU on (max_resident_users={gr.max_resident_users or 'unlimited'}, "
+            f"min_free_blocks={gr.min_free_blocks})" if gr.user_lru else "user LRU off"
+        )
+        checks.ok("GR mode", f"on (AscendStoreConnector): user-granular pool for requests with a uid; {lru}")
+    else:
+        checks.note(
+            "GR mode is off (gr.enabled=false): requests carrying uid / user_history_len are pooled "
+            "block-wise by the chunk pool, candidates included (AscendStoreGRConnector is always GR); "
+            "set gr.enabled=true for the user-granular pool (docs/gr-mode.md)"
+        )
+
+
 def run_doctor(cfg: AscendStoreConfig) -> int:
     checks = Checks()
     checks.ok(
@@ -181,6 +198,7 @@ def run_doctor(cfg: AscendStoreConfig) -> int:
         + (f", config_file={cfg.config_file!r}" if cfg.config_file else ""),
     )
     check_engine_health(checks, cfg)
+    check_gr(checks, cfg)
     check_backends(checks, cfg.backend)
     if checks.failed:
         return _summary(checks)

@@ -188,3 +188,90 @@ def format_table(results: Sequence[GRBenchResult]) -> str:
             f"  {ratio:16.2f}"
         )
     return "\n".join(lines)
+
+
+# -- two tiers: a device prefix cache in front of the pool (the investigation of
+#    docs/gr-mode.md "why user beats block by under a point at small capacities") ----
+Admission = Literal["inclusive", "victim"]
+
+
+@dataclass(frozen=True)
+class TieredResult:
+    granularity: str
+    admission: str
+    pool_capacity: float  # fraction of the working set
+    device_capacity: float  # fraction of the working set
+    saved_fraction: float  # (device + pool) history tokens served / prompt tokens
+    device_fraction: float
+    pool_fraction: float
+    partial_pool_hits: int  # requests the pool served only part of the missing history
+    pool_writes: int
+    pool_evictions: int
+
+
+def run_tiered(
+    granularity: Granularity,
+    pool_capacity: float,
+    device_capacity: float = 0.2,
+    admission: Admission = "inclusive",
+    workload: GRWorkload | None = None,
+) -> TieredResult:
+    """A device cache (LRU; whole users with the user LRU in user mode, blocks
+    with vLLM's block LRU in block mode, candidates included) in front of the
+    pool. ``inclusive``: the pool takes every history it misses (what the
+    connectors do); ``victim``: the pool takes only what the device evicts."""
+    w = workload or GRWorkload()
+    hist, reqs = _trace(w)
+    bs = w.block_size
+    ws = sum(hist)
+    dev = _LRU(max(1, int(ws * device_capacity)))
+    pool = _LRU(max(1, int(ws * pool_capacity)))
+    cand = w.candidate_tokens // bs
+    rng = random.Random(w.seed + 1)
+    total = dev_tok = pool_tok = partial = 0
+
+    def dev_put(key: object, size: int) -> None:
+        before = dict(dev.items)
+        dev.put(key, size)
+        if admission == "victim":
+            for k, s in before.items():
+                if k not in dev.items and not (isinstance(k, tuple) and len(k) == 4):  # candidates never
+                    pool.put(k, s)
+
+    for uid in reqs:
+        n = hist[uid]
+        total += n * bs + w.candidate_tokens
+        if granularity == "user":
+            if dev.touch(uid):
+                dev_tok += n * bs
+                continue
+            if pool.touch(uid):
+                pool_tok += n * bs
+            elif admission == "inclusive":
+                pool.put(uid, n)
+            dev_put(uid, n)
+            continue
+        d = 0
+        while d < n and dev.touch((uid, d)):
+            d += 1
+        p = d
+        while p < n and pool.touch((uid, p)):
+            p += 1
+        dev_tok += d * bs
+        pool_tok += (p - d) * bs
+        partial += d < p < n
+        for b in range(d, n):
+            dev_put((uid, b), 1)
+            if admission == "inclusive" and b >= p:
+                pool.put((uid, b), 1)
+        salt = rng.getrandbits(48)
+        for c in range(cand):
+            dev_put((uid, "c", salt, c), 1)
+            if admission == "inclusive":
+                pool.put((uid, "c", salt, c), 1)
+    return TieredResult(
+        granularity=granularity, admission=admission, pool_capacity=pool_capacity,
+        device_capacity=device_capacity, saved_fraction=(dev_tok + pool_tok) / total,
+        device_fraction=dev_tok / total, pool_fraction=pool_tok / total, partial_pool_hits=partial,
+        pool_writes=pool.writes, pool_evictions=pool.evictions,
+    )

@@ -20,6 +20,7 @@ users that never share KV, and every method takes the tenant (default ``-``).
 
 from __future__ import annotations
 
+import copy
 import logging
 import secrets
 import threading
@@ -176,6 +177,20 @@ class UserStore:
         self.clock = clock
         self.caps = backend.capabilities
         self._scratch: np.ndarray | None = None
+
+    def with_variant(self, variant: str) -> UserStore:
+        """This store for KV that depends on more than the token ids (a LoRA adapter,
+        multimodal inputs): ``variant`` (a digest of that identity) joins the model
+        part of every key, ``{model}+{variant}``. Stats, user index and config are
+        shared; ``""`` is this store."""
+        if not variant:
+            return self
+        if "@" in variant or "+" in variant:
+            raise ValueError(f"variant {variant!r} must not contain '@' or '+'")
+        other = copy.copy(self)
+        other.model = f"{self.model}+{variant}"
+        other._scratch = None
+        return other
 
     # -- keys ---------------------------------------------------------------------
     def token_key(self, uid: str, rank: int, tenant: str = NO_TENANT) -> str:

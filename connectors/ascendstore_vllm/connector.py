@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ascendstore_vllm.context import ConnectorContext
 from ascendstore_vllm.gr.stats import prefixed
-from ascendstore_vllm.gr.wiring import PLAN_KEY, attach_gr, plan_of
+from ascendstore_vllm.gr.wiring import PLAN_KEY, GRFieldsIgnored, attach_gr, plan_of
 from ascendstore_vllm.metadata import AscendStoreMetadata
 from ascendstore_vllm.stats import AscendStorePromMetrics, AscendStoreStats
 
@@ -58,6 +58,7 @@ class AscendStoreConnector(KVConnectorBase_V1):
         # It shares this role's guarded client (one connection per process).
         shared = self.worker.guard if self.worker is not None else getattr(self.scheduler, "_guard", None)
         self.gr = attach_gr(self.ctx, role == KVConnectorRole.SCHEDULER, kv_cache_config, backend=shared)
+        self._gr_ignored = GRFieldsIgnored() if self.gr is None else None
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -76,6 +77,8 @@ class AscendStoreConnector(KVConnectorBase_V1):
             res = self.gr.get_num_new_matched_tokens(request, num_computed_tokens)
             if res is not None:
                 return res
+        elif self._gr_ignored is not None:
+            self._gr_ignored.check(request)
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -102,11 +105,15 @@ class AscendStoreConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self.scheduler is not None:
             self.scheduler.update_connector_output(connector_output)
+        if self.gr is not None:
+            self.gr.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
-        if self.gr is not None:
-            self.gr.request_finished(request)
+        if self.gr is not None and self.gr.request_finished(request):
+            # an async GR swap-in is writing its blocks (GR requests have no chunk-pool state)
+            self.scheduler.request_finished(request, block_ids)
+            return True, None
         return self.scheduler.request_finished(request, block_ids)
 
     def delete_user(self, uid: str, cache_salt: str | None = None) -> int:
@@ -127,8 +134,9 @@ class AscendStoreConnector(KVConnectorBase_V1):
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches)
         if self.gr is not None:
-            # Reuse the chunk pool's host staging: no second host copy of device KV.
-            self.gr.register_kv_caches(kv_caches, self.worker.staging)
+            # GR stages each user object through bounded host buffers of its own (the
+            # chunk pool's are busy on its transfer threads), never a copy of the cache.
+            self.gr.register_kv_caches(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -167,7 +175,12 @@ class AscendStoreConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
-        return self.worker.get_finished(finished_req_ids)
+        sending, recving = self.worker.get_finished(finished_req_ids)
+        if self.gr is not None:
+            gr_sending, gr_recving = self.gr.get_finished(finished_req_ids)
+            sending = (set(sending or ()) | gr_sending) or None
+            recving = (set(recving or ()) | gr_recving) or None
+        return sending, recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors = self.worker.take_load_errors() if self.worker is not None else set()

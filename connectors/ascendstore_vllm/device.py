@@ -70,48 +70,16 @@ class HostStaging:
             flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(st)
             self._storages.append((st.data_ptr(), st.nbytes(), flat))
         self.device_views = kv_caches
-        self._mirror: dict[str, torch.Tensor] | None = None
         self.capacity = capacity
         self.save_buf = _pinned(capacity)
         self.load_buf = _pinned(capacity)
 
-    # -- whole-cache mirror (the GR user store's interface) ----------------------------
-    @property
-    def host_views(self) -> dict[str, torch.Tensor]:
-        """Pinned host copies of every KV view (allocated on first use)."""
-        if self._mirror is None:
-            self._mirror = {}
-            for name, t in self.device_views.items():
-                h = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-                try:
-                    h = h.pin_memory()
-                except RuntimeError:
-                    pass
-                self._mirror[name] = h
-        return self._mirror
-
-    def _layers(self, layer: int | None) -> list[str]:
-        names = list(self.device_views)
-        return names if layer is None else [names[layer]]
-
-    def to_host(self, block_ids: Sequence[int], layer: int | None = None) -> None:
-        """Copy blocks of the device views into host_views."""
-        if not block_ids:
-            return
-        idx = torch.tensor(sorted(set(block_ids)), dtype=torch.long)
-        for name in self._layers(layer):
-            self.host_views[name][idx] = self.device_views[name][idx.to(self.device)].to("cpu")
-        DeviceSync(self.device).synchronize()
-
-    def to_device(self, block_ids: Sequence[int], layer: int | None = None) -> None:
-        """Copy blocks of host_views into the device views."""
-        if not block_ids:
-            return
-        idx = torch.tensor(sorted(set(block_ids)), dtype=torch.long)
-        idx_dev = idx.to(self.device)
-        for name in self._layers(layer):
-            self.device_views[name].index_copy_(0, idx_dev, self.host_views[name][idx].to(self.device))
-        DeviceSync(self.device).synchronize()
+    # -- GR user objects (ascendstore_vllm.gr.staging) ---------------------------------
+    def copy_regions(self, regions: Sequence[Region], host: torch.Tensor, to_host: bool) -> None:
+        """Copy device byte ranges to (``to_host``) or from consecutive bytes of ``host``
+        on the side stream; returns when the copies are done. Regions outside the
+        device KV (e.g. a host scratch block) only advance the position."""
+        self._copies([_Op(regions)], host, to_host)
 
     def host_regions(self) -> list[Region]:
         return [Region(b.data_ptr(), b.numel()) for b in (self.save_buf, self.load_buf)]
@@ -177,6 +145,13 @@ class HostStaging:
             old, self.save_buf = self.save_buf, _pinned(self.capacity)
             new = self.save_buf
         return old, Region(new.data_ptr(), new.numel())
+
+
+class _Op:
+    """One object's device regions (what ``_copies`` walks)."""
+
+    def __init__(self, regions: Sequence[Region]) -> None:
+        self.regions = regions
 
 
 class _null:

@@ -146,16 +146,16 @@ def test_device_eviction_then_swap_in_and_running_user_kept(pool, engines):
         ask(e, f"{uid}-1", uid, cand=i)
         while f"{uid}-1" not in e.finished:
             e.step()
-    assert list(lru.users)[0] == "u1" and lru.running_users() == {"u1"}  # least recent, but running
+    assert list(lru.users)[0] == ("-", "u1") and lru.running_users() == {("-", "u1")}  # least recent, but running
     # pressure: an ordinary long prompt needs more blocks than the unowned free ones
     pool_ = e.scheduler.kv_cache_manager.block_pool
-    unowned = pool_.get_num_free_blocks() - 6 * len([u for u in lru.resident_users() if u != "u1"]) - 6
+    unowned = pool_.get_num_free_blocks() - 6 * len([u for _, u in lru.resident_users() if u != "u1"]) - 6
     filler = np.random.default_rng(1).integers(10, 900, (unowned + 2) * BS - 8).tolist()
     e.add_request("filler", filler)
     while "filler" not in e.finished:
         e.step()
     st = gr_stats(e)
-    assert st["lru_evictions"] >= 1 and "u2" not in lru.resident_users()
+    assert st["lru_evictions"] >= 1 and ("-", "u2") not in lru.resident_users()
     assert device_hit(e, history("u1", 0) + candidates(9)) == HIST  # the running user's idle history stayed
     assert "u1-long" not in e.finished
     # u2 comes back: device miss, the pool swaps its history in
@@ -360,3 +360,264 @@ def test_salted_users_pool_and_delete_per_tenant(pool, engines):
     assert b.first_schedule("acme2") == (0, HIST + CAND) and b.first_schedule("globex2") == (0, HIST + CAND)
     for rid in ("plain2", "acme2", "globex2"):
         assert_kv_exact(b, rid, p2)
+
+
+def test_device_lru_keeps_tenants_apart(pool, engines):
+    """The device-side user LRU keys users by (tenant, uid): deleting user u1 of one
+    tenant drops that tenant's device copy only; u1 of the other tenant stays cached."""
+    e = engines(spec(pool))  # the user LRU is on by default
+    lru = e.connector.gr.sched.lru
+    assert lru is not None
+    fields = {"uid": "u1", "candidate_num": CAND}
+    prompt = history("u1") + candidates(1)
+    for rid, salt in (("plain", None), ("acme", "acme")):
+        e.add_request(rid, prompt, max_tokens=1, cache_salt=salt, extra_args=fields)
+    e.run()
+    acme = next(t for t, u in lru.resident_users() if t != "-")
+    assert sorted(lru.resident_users()) == sorted([("-", "u1"), (acme, "u1")])
+    e.connector.delete_user("u1", cache_salt="acme")
+    assert lru.resident_users() == [("-", "u1")]
+    assert device_hit(e, prompt) == HIST  # the unsalted user's history is still on the device
+    # the salted user's history is gone from the device and from the pool: a miss
+    p = ask(e, "acme2", "u1", cand=2)
+    e.run()
+    e.add_request("acme3", prompt[:HIST] + candidates(3), max_tokens=1, cache_salt="acme", extra_args=fields)
+    e.run()
+    assert e.first_schedule("acme3") == (0, HIST + CAND)
+    assert e.first_schedule("acme2") == (HIST, CAND)
+    assert_kv_exact(e, "acme2", p)
+
+
+class HostAllocs:
+    """Bytes of new CPU tensors created by torch factory ops inside ``with`` (this thread)."""
+
+    FACTORIES = ("empty", "zeros", "ones", "full", "new_", "_pin_memory", "clone", "_to_copy")
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                import torch
+
+                out = func(*args, **(kwargs or {}))
+                name = func.overloadpacket.__name__
+                if name.startswith(outer.FACTORIES) and isinstance(out, torch.Tensor) and out.device.type == "cpu":
+                    outer.bytes += out.untyped_storage().nbytes()
+                return out
+
+        self.bytes = 0
+        self.mode = Mode
+
+    def wrap(self, obj, name: str) -> None:
+        fn = getattr(obj, name)
+
+        def counted(*a, **kw):
+            with self.mode():
+                return fn(*a, **kw)
+
+        setattr(obj, name, counted)
+
+
+def test_gr_staging_is_bounded_while_the_kv_cache_is_many_times_larger(pool, engines, monkeypatch):
+    """A backend that cannot read device memory gets user objects through bounded host
+    staging (staging_buffer_bytes per direction), not a host copy of the whole KV cache."""
+    from ascendstore_vllm.gr import wiring
+
+    monkeypatch.setattr(wiring.GRAttachment, "force_staging", True)  # the device path, on CPU KV
+    staging = 32 << 10
+    allocs = HostAllocs()
+    real_register = wiring.GRAttachment.register_kv_caches
+
+    def register(self, kv_caches):
+        with allocs.mode():
+            real_register(self, kv_caches)
+        for name in ("start_load", "save", "get_finished"):
+            allocs.wrap(self, name)
+
+    monkeypatch.setattr(wiring.GRAttachment, "register_kv_caches", register)
+    s = spec(pool, num_blocks=2048, extra={"staging_buffer_bytes": staging})
+    a = engines(s)
+    kv_bytes = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in a.workers[0].kv_caches.values()}.values())
+    assert kv_bytes >= 64 * 2 * staging
+    assert a.workers[0].connector.gr.staging is not None
+    ask(a, "a1", "u1", cand=1)
+    a.run()
+    b = engines(s)  # a fresh device: the pool swaps the history in through the staging
+    p = ask(b, "b1", "u1", cand=2)
+    b.run()
+    assert b.first_schedule("b1") == (HIST, CAND)
+    assert_kv_exact(b, "b1", p)
+    st = gr_stats(b)
+    assert (st["swapin_attempts"], st["swapin_successes"]) == (1, 1)
+    # two engines, each: two staging buffers, plus small per-transfer scratch
+    assert 0 < allocs.bytes <= 2 * (2 * staging) + (64 << 10), (allocs.bytes, kv_bytes)
+
+
+def test_adapter_and_multimodal_identity_are_part_of_the_user_keys(pool, engines):
+    """KV computed under a LoRA adapter or with images is keyed by them too: the same
+    uid and token ids under another adapter (or none, or another image) miss, the same
+    adapter hits and swaps in byte-exact."""
+    from types import SimpleNamespace
+
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from ascendstore.keys import UserKey
+
+    fields = {"uid": "u1", "candidate_num": CAND}
+
+    def req(e, rid: str, cand: int, **kw) -> Request:
+        prompt = history("u1") + candidates(cand)
+        r = Request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True, extra_args=fields), None,
+                    block_hasher=e.block_hasher, **kw)
+        e.tokens[rid], e.prompt_len[rid] = list(prompt), len(prompt)
+        return r
+
+    ad1 = LoRARequest("ad1", 1, "/adapters/ad1")
+    a = engines(spec(pool))
+    a.scheduler.add_request(req(a, "a1", 1, lora_request=ad1))
+    a.run()
+    keys = [k for k in a.connector.gr.store.backend.backend.list_keys("") if not k.startswith("as1@")]
+    assert keys and all(UserKey.parse(k).model.endswith("+" + keys[0].split("+")[1].split("@")[0]) for k in keys)
+
+    b = engines(spec(pool))  # a fresh device: only the pool could serve
+    sched = b.connector.gr.sched
+    plain = req(b, "p", 2)
+    other = req(b, "o", 2, lora_request=LoRARequest("ad2", 2, "/adapters/ad2"))
+    moved = req(b, "m", 2, lora_request=LoRARequest("ad1", 1, "/adapters/ad1-retrained"))
+    image = req(b, "i", 2, lora_request=ad1)
+    image.mm_features = [SimpleNamespace(identifier="img-7", mm_position=SimpleNamespace(offset=4))]
+    for r in (plain, other, moved, image):
+        assert sched.get_num_new_matched_tokens(r, 0) == (0, False), r.request_id
+    b.scheduler.add_request(req(b, "b1", 3, lora_request=ad1))
+    b.run()
+    assert b.first_schedule("b1") == (HIST, CAND)
+    assert_kv_exact(b, "b1", history("u1") + candidates(3))
+    assert gr_stats(b)["dram_hits"] == 1
+
+
+def test_gr_fields_without_gr_mode_are_reported_once(pool, engines, caplog, connector_kind):
+    if connector_kind == "gr":
+        pytest.skip("AscendStoreGRConnector is always in GR mode")
+    s = spec(pool)
+    s.extra_config["gr"] = {"enabled": False}
+    e = engines(s)
+    with caplog.at_level("WARNING", logger="ascendstore_vllm.gr.wiring"):
+        for k in range(3):
+            ask(e, f"r{k}", "u1", cand=k)
+            e.run()
+    lines = [r for r in caplog.records if "gr.enabled is off" in r.getMessage()]
+    assert len(lines) == 1 and "candidates included" in lines[0].getMessage()
+
+
+class GatedGets:
+    """Holds the worker's KV-object reads until ``open()``; notes the threads they ran on."""
+
+    def __init__(self, guard, delay_s: float = 0.0) -> None:
+        import random
+        import threading
+
+        self.gate = threading.Event()
+        self.threads: list[str] = []
+        self.real = guard.get
+        self.delay_s = delay_s
+        self.rng = random.Random()
+
+        def get(keys, regions, timeout_s=None, *a, **kw):
+            if any("@kv_cache" in k for k in keys):
+                self.threads.append(threading.current_thread().name)
+                if threading.current_thread() is not threading.main_thread():
+                    assert self.gate.wait(30), "gate never opened"
+                if self.delay_s:
+                    import time
+
+                    time.sleep(self.rng.uniform(0, self.delay_s))
+            return self.real(keys, regions, timeout_s, *a, **kw)
+
+        guard.get = get
+
+    def open(self) -> None:
+        self.gate.set()
+
+
+def test_async_swap_in_overlaps_the_forward(pool, engines):
+    """With load_async the swap-in runs on a transfer thread: the step goes on (other
+    requests compute) while the pool read is held, the GR request waits in
+    WAITING_FOR_REMOTE_KVS, and its KV lands byte-exact once the read completes."""
+    from vllm.v1.request import RequestStatus
+
+    s = spec(pool, extra={"load_async": True})
+    a = engines(s)
+    ask(a, "a1", "u1", cand=1)
+    a.run()
+    b = engines(s)
+    gate = GatedGets(b.workers[0].connector.gr.store.backend)
+    p = ask(b, "b1", "u1", cand=2)
+    other = ask(b, "b2", "u2", cand=3)  # a miss: computes while u1's history is in flight
+    for _ in range(3):
+        b.step()
+    assert b.scheduler.requests["b1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert "b2" in b.finished  # the engine kept computing while the swap-in was held
+    assert gate.threads and "MainThread" not in gate.threads, gate.threads
+    gate.open()
+    b.run()
+    assert b.first_schedule("b1") == (HIST, CAND)
+    assert_kv_exact(b, "b1", p)
+    assert_kv_exact(b, "b2", other)
+    st = gr_stats(b)
+    assert (st["dram_hits"], st["swapin_attempts"], st["swapin_successes"]) == (1, 1, 1)
+
+
+def test_async_swap_in_aborted_while_loading_keeps_its_blocks(pool, engines):
+    """An aborted request's blocks stay allocated until its swap-in has stopped
+    writing them (finished_sending), so no later request reads bytes it landed."""
+    s = spec(pool, num_blocks=40, max_model_len=256, extra={"load_async": True})
+    a = engines(s)
+    ask(a, "a1", "u1", cand=1)
+    a.run()
+    b = engines(s)
+    gate = GatedGets(b.workers[0].connector.gr.store.backend)
+    ask(b, "b1", "u1", cand=2)
+    b.step()
+    held = b.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    b.abort("b1")
+    for _ in range(3):
+        b.step()
+    assert b.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == held  # not freed yet
+    gate.open()
+    b.run()
+    # the blocks came back; other users fill the device and read only their own KV
+    for k, uid in enumerate(["u2", "u3", "u4"]):
+        p = ask(b, f"c{k}", uid, cand=k)
+        b.run()
+        assert_kv_exact(b, f"c{k}", p)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_async_swap_ins_under_random_delays(pool, engines, seed):
+    """Many users, async swap-ins with random pool delays: every history byte-exact."""
+    s = spec(pool, num_blocks=96, extra={"load_async": True})
+    a = engines(s)
+    users = [f"u{i}" for i in range(6)]
+    for i, uid in enumerate(users):
+        ask(a, f"a{i}", uid, cand=i)
+    a.run()
+    b = engines(s)
+    gate = GatedGets(b.workers[0].connector.gr.store.backend, delay_s=0.01)
+    gate.open()
+    rng = np.random.default_rng(seed)
+    prompts = {}
+    for k in range(12):
+        uid = users[int(rng.integers(len(users)))]
+        prompts[f"b{k}"] = ask(b, f"b{k}", uid, cand=100 + k)
+        if rng.random() < 0.5:
+            b.step()
+    b.run()
+    for rid, p in prompts.items():
+        assert_kv_exact(b, rid, p)
+    st = gr_stats(b)
+    assert st["swapin_successes"] == st["swapin_attempts"] >= 1

@@ -13,6 +13,11 @@ HIST = 6 * BS  # six history blocks per user
 CAND = BS  # one block of candidates
 
 
+def uids(users) -> list[str]:
+    """The uids of (tenant, uid) pairs, in order."""
+    return [u for _, u in users]
+
+
 def hist_of(uid: str, version: int = 0) -> list[int]:
     seed = sum(map(ord, uid)) * 100 + version
     return np.random.default_rng(seed).integers(1000, 40000, HIST).tolist()
@@ -51,10 +56,10 @@ def test_whole_users_evicted_where_vllm_alone_nibbles_histories():
     rig = build_scheduler(block_size=BS, num_blocks=40)
     lru = UserKVLRU().install(rig.kv_cache_manager)
     warm_users(rig, users)
-    assert lru.resident_users() == users
+    assert uids(lru.resident_users()) == users
     assert all(len(lru.device_blocks(u)) == 6 for u in users)
     rig.run(filler(rig, 20))
-    assert lru.stats.lru_evictions == 1 and lru.resident_users() == ["u2", "u3", "u4"]
+    assert lru.stats.lru_evictions == 1 and uids(lru.resident_users()) == ["u2", "u3", "u4"]
     assert device_hit(rig, "u1") == 0
     assert [device_hit(rig, u) for u in ("u2", "u3", "u4")] == [HIST] * 3
 
@@ -69,7 +74,7 @@ def test_rotating_candidates_hit_the_device_and_refresh_lru_order():
         out = rig.step()
         assert out.num_scheduled_tokens[req.request_id] == CAND  # history served by the device
         rig.run()
-    assert lru.resident_users() == ["b", "a"]
+    assert uids(lru.resident_users()) == ["b", "a"]
 
 
 def test_running_user_is_never_evicted_even_when_least_recent():
@@ -80,7 +85,7 @@ def test_running_user_is_never_evicted_even_when_least_recent():
     rig.add(long)
     rig.step()
     warm_users(rig, ["u2", "u3"])
-    assert list(lru.users) == ["u1", "u2", "u3"] and lru.running_users() == {"u1"}
+    assert uids(lru.users) == ["u1", "u2", "u3"] and lru.running_users() == {("-", "u1")}
     rig.run(filler(rig, 24))
     assert lru.stats.lru_evictions == 1
     assert device_hit(rig, "u2") == 0  # the least recent *idle* user went
@@ -93,7 +98,7 @@ def test_max_resident_users():
     rig = build_scheduler(block_size=BS, num_blocks=64)
     lru = UserKVLRU(max_resident_users=2).install(rig.kv_cache_manager)
     warm_users(rig, ["a", "b", "c"])
-    assert lru.resident_users() == ["b", "c"] and lru.stats.lru_evictions == 1
+    assert uids(lru.resident_users()) == ["b", "c"] and lru.stats.lru_evictions == 1
     assert device_hit(rig, "a") == 0 and device_hit(rig, "c") == HIST
 
 
@@ -105,7 +110,7 @@ def test_min_free_blocks_evicts_ahead_of_need(min_free, evicted):
     # 39 usable blocks, 6 per resident history: the 5th user's 8 blocks fit among the 15
     # unprotected ones, but not with 10 more kept free
     assert lru.stats.lru_evictions == evicted
-    assert ("a" in lru.resident_users()) == (evicted == 0)
+    assert ("a" in uids(lru.resident_users())) == (evicted == 0)
 
 
 def test_delete_user_drops_device_copy_even_while_running():
@@ -156,5 +161,5 @@ def test_preemption_keeps_the_bookkeeping_consistent():
     assert any(r.num_preemptions for r in reqs)
     assert lru.running_users() == set() and lru._req == {}
     assert lru.resident_users()
-    for uid in lru.resident_users():  # what it believes resident really is in vLLM's prefix cache
+    for _, uid in lru.resident_users():  # what it believes resident really is in vLLM's prefix cache
         assert len(lru.device_blocks(uid)) == 6 and device_hit(rig, uid) == HIST

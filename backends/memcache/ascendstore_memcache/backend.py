@@ -115,6 +115,9 @@ class _StandinHooks:
     def corrupt(self, key: str) -> bool:
         return bool(self._store.corrupt(key))
 
+    def break_store(self) -> None:
+        self._store.break_meta()  # the meta service dies
+
 
 class MemcacheBackend(GvaFlow, Backend):
     Options: ClassVar[type[BackendOptions]] = MemcacheOptions

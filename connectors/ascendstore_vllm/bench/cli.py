@@ -89,7 +89,7 @@ def bench(
     console = Console()
     if granularity not in ("block", "user", "both"):
         raise fail(f"--granularity {granularity!r}: choose block, user or both", 2)
-    grans = ["block", "user"] if granularity == "both" else [granularity]
+    grans = ["user", "block"] if granularity == "both" else [granularity]
     caps = _fractions(pool_capacity)
     try:
         params = parse_params(param or [])

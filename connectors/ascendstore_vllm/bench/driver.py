@@ -118,6 +118,39 @@ def _instrument(engine: Any, timers: _Timers) -> None:
             _wrap(w.connector, name, timers)
 
 
+class _StatsTap:
+    """Every connector's stats as each role hands them out, summed.
+
+    vLLM's scheduler folds its connector's counters (e.g. GR three-level hits)
+    into the workers' stats object of a step only when the workers reported some
+    in that step; otherwise they go to the scheduler's own stats (Prometheus)
+    and never reach the model output the harness records. Tapping both roles
+    counts each number once."""
+
+    def __init__(self, eng: Any) -> None:
+        from ascendstore.engine import EngineMetrics
+
+        self._merge = EngineMetrics.merge
+        self.total: dict[str, float] = {}
+        for conn in [eng.connector, *(w.connector for w in eng.workers)]:
+            self._tap(conn)
+
+    def add(self, data: dict[str, Any]) -> None:
+        self.total = self._merge(self.total, {k: float(v) for k, v in data.items()})
+
+    def _tap(self, conn: Any) -> None:
+        fn = conn.get_kv_connector_stats
+
+        @functools.wraps(fn)
+        def tapped(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*args, **kwargs)
+            if out is not None and out.data:
+                self.add(dict(out.data))  # copied now: vLLM aggregates into this object later
+            return out
+
+        conn.get_kv_connector_stats = tapped
+
+
 def quiet_vllm_logs() -> None:
     """Only errors from vLLM's loggers (it configures them on import)."""
     import vllm.logger  # noqa: F401
@@ -225,6 +258,7 @@ class BenchDriver:
         eng = self._engine()
         timers = _Timers()
         _instrument(eng, timers)
+        counted = _StatsTap(eng)
         clock = reqs[0].arrival_s
         nxt = 0
         records: dict[str, RequestRecord] = {}
@@ -302,7 +336,10 @@ class BenchDriver:
                     eng.snapshots.pop(r, None)  # the harness keeps them for tests; not needed here
                 if progress is not None:
                     progress(len(eng.finished), len(reqs))
-            stats = eng.stats_total()
+            tail = eng.connector.get_kv_connector_stats()  # what the scheduler side still holds
+            if tail is not None and tail.data:
+                counted.add(tail.data)
+            stats = counted.total
             backend_stats = self._backend_stats()
         finally:
             eng.close()

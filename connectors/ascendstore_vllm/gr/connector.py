@@ -61,9 +61,13 @@ class AscendStoreGRConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return GRConnectorMetadata(plan=self.gr.build_plan(scheduler_output))
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.gr.update_connector_output(connector_output)
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self.gr.request_finished(request)
-        return False, None  # saves complete inside the step that planned them
+        # saves complete inside the step that planned them; an async swap-in still
+        # writing the blocks delays their free until the workers report it
+        return self.gr.request_finished(request), None
 
     def delete_user(self, uid: str, cache_salt: str | None = None) -> int:
         """Delete a user's KV from the pool (every model) and this engine's device.
@@ -90,6 +94,10 @@ class AscendStoreGRConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         self.gr.save(self._plan())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving = self.gr.get_finished(finished_req_ids)
+        return (sending or None), (recving or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.gr.take_load_errors()

@@ -32,10 +32,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ascendstore.gr import GRInputError, GRRequest, GRStats, parse_gr_request
+from ascendstore.keys import NO_TENANT
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_VLLM = ("0.33.",)
+
+#: a device-resident user: (tenant id, uid). The same uid under two tenants is two
+#: users (as in the pool's keys), so evicting or deleting one never touches the other.
+UserRef = tuple[str, str]
 
 
 class UnsupportedVLLMError(RuntimeError):
@@ -119,9 +124,9 @@ class UserKVLRU:
         self.min_free_blocks = min_free_blocks
         self.stats = stats or GRStats()
         self.gr_of = gr_of
-        self.users: OrderedDict[str, _User] = OrderedDict()  # least recently used first
-        self._req: dict[str, tuple[str, int]] = {}  # request id -> (uid, history blocks)
-        self._owners: dict[int, set[str]] = {}  # block id -> resident users holding it
+        self.users: OrderedDict[UserRef, _User] = OrderedDict()  # least recently used first
+        self._req: dict[str, tuple[UserRef, int]] = {}  # request id -> (user, history blocks)
+        self._owners: dict[int, set[UserRef]] = {}  # block id -> resident users holding it
         self._kcm: Any = None
         self._originals: dict[str, Any] = {}
 
@@ -158,18 +163,18 @@ class UserKVLRU:
         self._kcm = None
 
     # -- views ----------------------------------------------------------------------
-    def resident_users(self) -> list[str]:
-        """Users with history blocks cached on the device, least recent first."""
-        return [u for u, e in self.users.items() if self._live_blocks(u, e)]
+    def resident_users(self) -> list[UserRef]:
+        """(tenant, uid) of users with history blocks cached on the device, least recent first."""
+        return [u for u, e in self.users.items() if self._live_blocks(e)]
 
-    def running_users(self) -> set[str]:
+    def running_users(self) -> set[UserRef]:
         return {u for u, e in self.users.items() if e.running}
 
-    def device_blocks(self, uid: str) -> list[int]:
-        e = self.users.get(uid)
-        return sorted(self._live_blocks(uid, e)) if e else []
+    def device_blocks(self, uid: str, tenant: str = NO_TENANT) -> list[int]:
+        e = self.users.get((tenant, uid))
+        return sorted(self._live_blocks(e)) if e else []
 
-    def _live_blocks(self, uid: str, e: _User) -> list[int]:
+    def _live_blocks(self, e: _User) -> list[int]:
         return [bid for bid, h in e.blocks.items() if self.pool.blocks[bid].block_hash == h]
 
     # -- wrapped vLLM methods -------------------------------------------------------
@@ -179,11 +184,12 @@ class UserKVLRU:
         if rid not in self._req:
             g = self.gr_of(request)
             if g is not None:
-                e = self.users.setdefault(g.uid, _User())
+                user = (g.tenant, g.uid)
+                e = self.users.setdefault(user, _User())
                 e.running.add(rid)
-                self.users.move_to_end(g.uid)
-                self._req[rid] = (g.uid, g.history_len // self.block_size)
-                newly = g.uid
+                self.users.move_to_end(user)
+                self._req[rid] = (user, g.history_len // self.block_size)
+                newly = user
         result = self._originals["allocate_slots"](request, *args, **kwargs)
         if result is None and newly is not None and not any(self._kcm.coordinator.get_blocks(rid)):
             # not admitted: the request holds nothing yet, so it is not running
@@ -197,8 +203,8 @@ class UserKVLRU:
         info = self._req.get(rid)
         if info is None:
             return []
-        uid, n_hist = info
-        e = self.users.get(uid)
+        user, n_hist = info
+        e = self.users.get(user)
         if e is None:
             return []
         blocks = self._kcm.coordinator.get_blocks(rid)[0][:n_hist]
@@ -207,20 +213,20 @@ class UserKVLRU:
         for b in blocks:
             if b.block_hash is not None and not b.is_null:
                 e.blocks[b.block_id] = b.block_hash
-                self._owners.setdefault(b.block_id, set()).add(uid)
+                self._owners.setdefault(b.block_id, set()).add(user)
         return []
 
-    def _forget_request(self, rid: str) -> str | None:
+    def _forget_request(self, rid: str) -> UserRef | None:
         info = self._req.pop(rid, None)
         if info is None:
             return None
-        uid = info[0]
-        e = self.users.get(uid)
+        user = info[0]
+        e = self.users.get(user)
         if e is not None:
             e.running.discard(rid)
             if not e.running and not e.blocks:
-                del self.users[uid]
-        return uid
+                del self.users[user]
+        return user
 
     def _free(self, request: Any) -> None:
         doomed = self._record_history(request)
@@ -236,10 +242,10 @@ class UserKVLRU:
     def _after_free(self, rid: str, doomed: list[Any]) -> None:
         if doomed:  # a deleted user's last blocks: out of the prefix cache
             self.pool.evict_blocks({b.block_id for b in doomed})
-        uid = self._forget_request(rid)
-        e = self.users.get(uid) if uid else None
+        user = self._forget_request(rid)
+        e = self.users.get(user) if user else None
         if e is not None and e.doomed and not e.running:
-            self._evict(uid, count=False)
+            self._evict(user, count=False)
         if self.max_resident_users:
             self._enforce_max_users()
 
@@ -270,12 +276,12 @@ class UserKVLRU:
         protected = self._protected_free()
         unprotected = free - len(protected)
         if unprotected < need:
-            for uid in list(self.users):
+            for user in list(self.users):
                 if unprotected >= need:
                     break
-                if self.users[uid].running:
+                if self.users[user].running:
                     continue  # never a user with a running request
-                released = self._evict(uid)
+                released = self._evict(user)
                 if released:
                     protected -= released
                     unprotected += len(released)
@@ -303,17 +309,17 @@ class UserKVLRU:
             q.remove(b)
         q.append_n(moved)
 
-    def _evict(self, uid: str, count: bool = True) -> set[int]:
+    def _evict(self, user: UserRef, count: bool = True) -> set[int]:
         """Drop a user's cached history from the device prefix cache; returns the
         free blocks released (now hash-less, at the head of the free queue)."""
-        e = self.users.pop(uid, None)
+        e = self.users.pop(user, None)
         if e is None:
             return set()
         released: set[int] = set()
         for bid, h in e.blocks.items():
             owners = self._owners.get(bid)
             if owners is not None:
-                owners.discard(uid)
+                owners.discard(user)
                 if not owners:
                     del self._owners[bid]
             b = self.pool.blocks[bid]
@@ -332,31 +338,29 @@ class UserKVLRU:
         if e.running:
             e.blocks.clear()
             e.doomed = True
-            self.users[uid] = e
+            self.users[user] = e
         if count:
             self.stats.add(lru_evictions=1)
-        log.debug("GR user LRU: evicted user %s (%d blocks)", uid, len(released))
+        log.debug("GR user LRU: evicted user %s (%d blocks)", user, len(released))
         return released
 
     def _enforce_max_users(self) -> None:
         resident = self.resident_users()
         excess = len(resident) - self.max_resident_users
         idle = [u for u in resident if not self.users[u].running]
-        for uid in idle[: max(0, excess)]:
-            self._evict(uid)
+        for user in idle[: max(0, excess)]:
+            self._evict(user)
 
-    def evict_user(self, uid: str) -> bool:
-        """Drop ``uid`` from the device now (a running user: when its requests end).
-        Used by delete-user; returns whether the user was known."""
-        e = self.users.get(uid)
-        if e is None:
+    def evict_user(self, uid: str, tenant: str = NO_TENANT) -> bool:
+        """Drop user ``uid`` of ``tenant`` from the device now (a running user: its idle
+        blocks now, the rest when its requests end). Used by delete-user; returns
+        whether the user was known. The same uid of other tenants is left alone."""
+        user = (tenant, uid)
+        if user not in self.users:
             return False
-        if e.running:
-            self._evict(uid, count=False)  # frees the idle blocks, dooms the rest
-            return True
-        self._evict(uid, count=False)
+        self._evict(user, count=False)  # a running user is doomed: dropped when it ends
         return True
 
-    def touch(self, uid: str) -> None:
-        if uid in self.users:
-            self.users.move_to_end(uid)
+    def touch(self, uid: str, tenant: str = NO_TENANT) -> None:
+        if (tenant, uid) in self.users:
+            self.users.move_to_end((tenant, uid))

@@ -8,6 +8,7 @@ neither looks it up nor saves it, so candidates are never pooled.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from ascendstore.contract import BackendContext
@@ -16,6 +17,7 @@ from ascendstore.gr import GRStats, UserStore
 from ascendstore.registry import create_backend
 from ascendstore_vllm.context import ConnectorContext
 from ascendstore_vllm.gr.hooks import GRPlan, GRSchedulerHooks, GRWorkerHooks
+from ascendstore_vllm.gr.staging import GRStaging
 
 if TYPE_CHECKING:
     import torch
@@ -23,6 +25,38 @@ if TYPE_CHECKING:
 
 #: where the plan travels in a connector's metadata ``extensions``
 PLAN_KEY = "ascendstore.gr"
+
+log = logging.getLogger(__name__)
+
+
+def carries_gr_fields(request: Any) -> bool:
+    """Whether a vLLM request carries GR fields (uid, user_history_len, candidate_num)."""
+    from ascendstore.gr.inputs import KNOWN_KEYS
+
+    sp = getattr(request, "sampling_params", None)
+    for src in (getattr(request, "kv_transfer_params", None), getattr(sp, "extra_args", None)):
+        if isinstance(src, dict) and any(k in src for k in KNOWN_KEYS):
+            return True
+    return False
+
+
+class GRFieldsIgnored:
+    """A connector without ``gr.enabled`` pools GR requests block-wise, candidates
+    included. Say so once in the log, so an operator who forgot the switch finds out."""
+
+    def __init__(self) -> None:
+        self.warned = False
+
+    def check(self, request: Any) -> None:
+        if not self.warned and carries_gr_fields(request):
+            self.warned = True
+            log.warning(
+                "request %s carries GR fields (uid / user_history_len / candidate_num) but gr.enabled is "
+                "off: it is pooled block-wise by the chunk pool, candidates included. Set "
+                "gr.enabled=true in kv_connector_extra_config for the user-granular pool "
+                "(docs/gr-mode.md). This is logged once.",
+                request.request_id,
+            )
 
 
 def gr_model_token(ctx: ConnectorContext) -> str:
@@ -85,10 +119,11 @@ class GRAttachment:
             self.sched = GRSchedulerHooks(
                 store, config=ctx.config.gr, block_size=ctx.block_size,
                 bytes_per_block=bytes_per_block(ctx, kv_cache_config), default_tenant=ctx.config.tenant,
-                stats=self.stats,
+                stats=self.stats, load_async=ctx.config.load_async,
             )
         else:
-            self.worker = GRWorkerHooks(store, count_stats=rank == 0)
+            self.worker = GRWorkerHooks(store, count_stats=rank == 0, load_async=ctx.config.load_async)
+        self.staging: GRStaging | None = None
 
     @property
     def store(self) -> UserStore:
@@ -122,9 +157,13 @@ class GRAttachment:
             plan.saves = []
         return plan
 
-    def request_finished(self, request: Any) -> None:
+    def update_connector_output(self, connector_output: Any) -> None:
         if self.sched is not None:
-            self.sched.request_finished(request)
+            self.sched.update_connector_output(getattr(connector_output, "finished_recving", None))
+
+    def request_finished(self, request: Any) -> bool:
+        """Whether to delay freeing the request's blocks (an async swap-in in flight)."""
+        return self.sched.request_finished(request) if self.sched is not None else False
 
     def delete_user(self, uid: str, cache_salt: str | None = None) -> int:
         """Delete user ``uid`` of ``cache_salt``'s tenant (None: the default tenant)."""
@@ -132,32 +171,46 @@ class GRAttachment:
         return self.sched.delete_user(uid, cache_salt)
 
     # -- worker side ------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], staging: Any = None) -> None:
-        """Map block ids to vLLM's KV bytes (or to ``staging``'s host copies)."""
+    #: stage through host buffers even for CPU KV (tests exercise the device path with it)
+    force_staging = False
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Map block ids to vLLM's KV bytes. A backend that cannot read device memory
+        gets each user object through bounded host staging (``staging_buffer_bytes``
+        per direction, as the chunk pool), never a host copy of the whole KV cache."""
+        from ascendstore.contract import Status
         from ascendstore.engine import KVLayout, LayerSpan
-        from ascendstore_vllm.device import DeviceSync, HostStaging
+        from ascendstore_vllm.device import DeviceSync
 
         assert self.worker is not None
         device = next(iter(kv_caches.values())).device
-        views = kv_caches
-        if staging is None and device.type != "cpu" and not self.store.caps.device_memory:
-            staging = HostStaging(kv_caches, 0)
-        if staging is not None:
-            views = staging.host_views
-            self.worker.before_save = staging.to_host
-            self.worker.after_load = staging.to_device
-        else:
-            sync = DeviceSync(device)
-            self.worker.before_save = lambda block_ids: sync.synchronize()
+        if (device.type != "cpu" or self.force_staging) and not self.store.caps.device_memory:
+            self.staging = GRStaging(kv_caches, self.ctx.config.staging_buffer_bytes)
+            self.worker.staging = self.staging
+            if self.store.caps.needs_registration:
+                st = self.store.backend.register(self.staging.host_regions())
+                if st is not Status.OK:
+                    log.warning("GR staging register() returned %s; transfers may fail and be recomputed",
+                                Status(st).name)
+        sync = DeviceSync(device)
+        self.worker.before_save = lambda block_ids: sync.synchronize()
         layout = KVLayout([
             LayerSpan.from_view(name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size())
-            for name, t in views.items()
+            for name, t in kv_caches.items()
         ])
         self.worker.block_regions = lambda ids: [[lay.block_regions(b) for b in ids] for lay in layout.layers]
 
     def start_load(self, plan: GRPlan | None) -> None:
         if self.worker is not None and plan is not None:
             self._errors |= self.worker.load(plan)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(requests whose blocks may be freed now, async swap-ins done) on this rank."""
+        if self.worker is None:
+            return set(), set()
+        sending, recving = self.worker.finished(finished_req_ids)
+        self._errors |= self.worker.take_errors()
+        return sending, recving
 
     def save(self, plan: GRPlan | None) -> None:
         if self.worker is not None and plan is not None:
@@ -184,6 +237,8 @@ class GRAttachment:
     def shutdown(self) -> None:
         if self.sched is not None and self.sched.lru is not None:
             self.sched.lru.uninstall()
+        if self.worker is not None:
+            self.worker.shutdown()
         if self._owns_backend:
             self.store.backend.close()
 
