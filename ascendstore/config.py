@@ -141,6 +141,31 @@ class AscendStoreConfig(BaseModel):
     tenant: str | None = Field(None, description="default tenant when a request has no cache_salt")
     instance_id: str | None = Field(None, description="names this vLLM instance in IPC paths")
     kv_events: Bool = Field(True, description="publish BlockStored/BlockRemoved KV events for routers")
+
+    # -- admission: what is worth saving ---------------------------------------------
+    admit_after_hits: int = Field(
+        1, ge=1, description="save a chunk only once requests have used it this many times; 1: save every chunk"
+    )
+    admit_track_chunks: int = Field(
+        65536, ge=1, description="chunk hashes whose uses are remembered for admit_after_hits (LRU; ~150 B each)"
+    )
+    save_budget_bytes_per_step: ByteSize = Field(
+        0, description="KV bytes per rank a scheduler step may plan to save; the rest is skipped; 0: unlimited"
+    )
+
+    # -- health: stop using a sick backend, resume by itself --------------------------------
+    health_failure_threshold: int = Field(
+        5, ge=0, description="failed backend calls in a row that switch a process to degraded mode; 0: never"
+    )
+    health_probe_interval_ms: int = Field(1000, ge=1, description="degraded mode: time between background probes")
+    health_recovery_probes: int = Field(
+        2, ge=1, description="good probes in a row that end degraded mode (doubled for a flapping backend)"
+    )
+
+    # -- metrics -------------------------------------------------------------------------------
+    metrics_max_tenants: int = Field(
+        16, ge=0, description="tenants with their own label in hit metrics; later ones count as 'other'"
+    )
     gr: GRConfig = Field(default_factory=GRConfig, description="GR mode; see the gr.* keys")
 
 

@@ -15,6 +15,7 @@
       flip_rate: 0.0                      # per loaded object: flip a byte after reading
       quota_bytes: 64MiB                  # puts beyond this report NO_SPACE (a full pool)
       down: false                         # every call UNAVAILABLE (an outage)
+      health_status: OK                   # health() answers this whatever the truth (a lying check)
       control_file: /tmp/faults.json      # overrides re-read when the file changes
 
 What is injected where, and why it is faithful:
@@ -96,6 +97,9 @@ class FaultyOptions(BackendOptions):
     quota_bytes: ByteSize = Field(0, description="puts beyond this many bytes report NO_SPACE; 0: off")
     late_garbage: Bool = Field(False, description="a hung get writes a wrong pattern over its regions when it wakes")
     down: Bool = Field(False, description="every call reports UNAVAILABLE")
+    health_status: Literal["OK", "UNAVAILABLE", "TIMEOUT"] | None = Field(
+        None, description="health() reports this whatever the truth (a lying health check); None: the truth"
+    )
     control_file: str | None = Field(None, description="JSON overrides of these faults, re-read on change")
 
     @field_validator("delay_s", "hang_s")
@@ -372,6 +376,9 @@ class FaultyBackend(Backend):
 
     def health(self, timeout_s: float) -> Health:
         self._poll_control()
+        if self.options.health_status is not None:
+            self.injected["health_lie"] += 1
+            return Health(Status[self.options.health_status], {"faulty": "health_status"})
         if self.closed or self.options.down:
             return Health(Status.UNAVAILABLE, {"faulty": "down"})
         return self.inner.health(timeout_s)

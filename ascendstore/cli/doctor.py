@@ -9,6 +9,7 @@ removes it again.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ import numpy as np
 from ascendstore.cli.common import CallTimeout, backend_context, bounded, close_quietly, console
 from ascendstore.config import AscendStoreConfig
 from ascendstore.contract import Backend, Region, Status
+from ascendstore.engine.health import read_states, state_dir
 from ascendstore.registry import create_backend, installed_backends, load_backend_class
 
 #: what a status usually means for an operator.
@@ -138,6 +140,39 @@ def round_trip(checks: Checks, backend: Backend, timeout_s: float, size: int = 6
             step("unregister", backend.unregister, src_regions + dst_regions)
 
 
+def check_engine_health(checks: Checks, cfg: AscendStoreConfig) -> None:
+    """Health monitors of AscendStore processes running on this host (each
+    scheduler and worker publishes its state on every transition)."""
+    if cfg.health_failure_threshold:
+        checks.ok(
+            "degraded mode",
+            f"after {cfg.health_failure_threshold} failed backend calls in a row; probes every "
+            f"{cfg.health_probe_interval_ms} ms, {cfg.health_recovery_probes} good probes resume",
+        )
+    else:
+        checks.note("degraded mode is off (health_failure_threshold: 0)")
+    states = read_states(instance_id=cfg.instance_id)
+    live = [(p, st) for p, st, alive in states if alive]
+    for path, _st, alive in states:
+        if not alive:
+            checks.note(f"stale health file of a dead process: {path}")
+    if not live:
+        checks.note(f"no running AscendStore process publishes its health in {state_dir()}")
+        return
+    for _path, st in live:
+        what = f"engine health {st.get('process', '?')} (pid {st.get('pid')}, backend {st.get('backend')!r})"
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(st.get("since", 0))))
+        history = f"{st.get('degraded_count', 0)} degraded / {st.get('recovered_count', 0)} recovered"
+        if st.get("state") == "degraded":
+            checks.fail(
+                what,
+                f"DEGRADED since {since} ({st.get('last_failure') or 'no detail'}); lookups answer 0 and "
+                f"saves stop until {st.get('recovery_probes_needed')} probes pass; {history}",
+            )
+        else:
+            checks.ok(what, f"healthy since {since}; {history}")
+
+
 def check_gr(checks: Checks, cfg: AscendStoreConfig) -> None:
     """GR mode: on with which device-side user LRU, or off (and what that means for GR traffic)."""
     gr = cfg.gr
@@ -162,6 +197,7 @@ def run_doctor(cfg: AscendStoreConfig) -> int:
         f"backend={cfg.backend!r}, timeout_ms={cfg.timeout_ms}"
         + (f", config_file={cfg.config_file!r}" if cfg.config_file else ""),
     )
+    check_engine_health(checks, cfg)
     check_gr(checks, cfg)
     check_backends(checks, cfg.backend)
     if checks.failed:

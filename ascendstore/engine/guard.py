@@ -26,10 +26,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ascendstore.contract import Backend, Health, Region, Status
 from ascendstore.engine.metrics import EngineMetrics
+
+if TYPE_CHECKING:
+    from ascendstore.engine.health import HealthMonitor
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,7 @@ class PendingCall:
     deadline: float = 0.0
     #: the guard stopped waiting; the call may still be running.
     overran: bool = False
+    observe: bool = True  # False: answered by the degraded gate, not by the backend
 
 #: a predicate that turns True once memory lent to a call is the caller's again.
 Release = Callable[[], bool]
@@ -78,6 +82,11 @@ class BackendGuard:
         self.inline = bool(caps.bounded_calls)
         #: ... and is done with a call's memory when it returns: it may use vLLM's blocks.
         self.direct = self.inline and not caps.detaches_calls
+        #: health monitor: sees every keyed call's statuses and, while degraded,
+        #: has the guard answer UNAVAILABLE without calling the backend.
+        self.monitor: HealthMonitor | None = None
+        #: more observers of (op, statuses) per keyed call (metrics, tests).
+        self.observers: list[Callable[[str, list[Status]], None]] = []
 
     @property
     def capabilities(self):
@@ -91,10 +100,14 @@ class BackendGuard:
         with self._lock:
             self._stuck -= 1
 
-    def _call(self, op: str, n: int, args: tuple[Any, ...], timeout_s: float | None) -> list[Status]:
+    def _call(
+        self, op: str, n: int, args: tuple[Any, ...], timeout_s: float | None, gated: bool = True
+    ) -> list[Status]:
         if not self.inline or n == 0:
-            return self.result(self._submit(op, n, args, timeout_s))
+            return self.result(self._submit(op, n, args, timeout_s, gated))
         # No thread hop: a lone small save or lookup costs one call, not two hand-offs.
+        if gated and self._gate(n):
+            return [Status.UNAVAILABLE] * n
         if self._closed:
             self.metrics.add(unavailable=n)
             return [Status.UNAVAILABLE] * n
@@ -104,22 +117,53 @@ class BackendGuard:
         except Exception:
             log.exception("backend %s of %d keys raised; reporting UNAVAILABLE", op, n)
             self.metrics.add(unavailable=n)
-            return [Status.UNAVAILABLE] * n
-        return self._check(op, result, n)
+            out = [Status.UNAVAILABLE] * n
+        else:
+            out = self._check(op, result, n)
+        if self.monitor is not None or self.observers:
+            self._observe(op, out)
+        return out
 
-    def _submit(self, op: str, n: int, args: tuple[Any, ...], timeout_s: float | None) -> PendingCall:
+    def _gate(self, n: int) -> bool:
+        """Degraded mode: answer without calling the sick backend (its probes find out when it is back)."""
+        if self.monitor is not None and self.monitor.degraded:
+            self.metrics.add(degraded_skipped_keys=n)
+            return True
+        return False
+
+    def _submit(
+        self, op: str, n: int, args: tuple[Any, ...], timeout_s: float | None, gated: bool = True
+    ) -> PendingCall:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if n == 0:
             return PendingCall(op, 0, None, timeout, [])
+        if gated and self._gate(n):
+            return PendingCall(op, n, None, timeout, [Status.UNAVAILABLE] * n, observe=False)
         with self._lock:
             if self._closed or self._stuck >= self._max_stuck:
                 self.metrics.add(unavailable=n)
-                return PendingCall(op, n, None, timeout, [Status.UNAVAILABLE] * n)
+                # Stuck calls are the backend's failure; a closed guard is ours.
+                return PendingCall(op, n, None, timeout, [Status.UNAVAILABLE] * n, observe=not self._closed)
         fut = self._pool.submit(getattr(self.backend, op), *args, timeout)
         return PendingCall(op, n, fut, timeout, None, time.monotonic() + timeout + GRACE_S)
 
     def result(self, call: PendingCall) -> list[Status]:
         """Statuses of a submitted call, waiting at most until its deadline."""
+        out = self._result(call)
+        if call.observe and out and (self.monitor is not None or self.observers):
+            self._observe(call.op, out)
+        return out
+
+    def _observe(self, op: str, statuses: list[Status]) -> None:
+        try:
+            if self.monitor is not None:
+                self.monitor.record(op, statuses)
+            for fn in self.observers:
+                fn(op, statuses)
+        except Exception:
+            log.exception("backend call observer failed")
+
+    def _result(self, call: PendingCall) -> list[Status]:
         if call.fut is None:
             return call.ready or []
         op, n, fut = call.op, call.n, call.fut
@@ -182,8 +226,8 @@ class BackendGuard:
         return out
 
     # -- the contract, guarded ------------------------------------------------------
-    def exists(self, keys: Sequence[str], timeout_s: float | None = None) -> list[Status]:
-        return self._call("exists", len(keys), (list(keys),), timeout_s)
+    def exists(self, keys: Sequence[str], timeout_s: float | None = None, *, gated: bool = True) -> list[Status]:
+        return self._call("exists", len(keys), (list(keys),), timeout_s, gated)
 
     def put(self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float | None = None) -> list[Status]:
         return self._call("put", len(keys), (list(keys), regions), timeout_s)
@@ -230,6 +274,9 @@ class BackendGuard:
             if self._closed:
                 return
             self._closed = True
+        if self.monitor is not None:
+            # First: a closing client must not read as a sick backend.
+            self.monitor.close()
         fut = self._pool.submit(self.backend.close)
         try:
             fut.result(timeout=timeout_s)

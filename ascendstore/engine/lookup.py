@@ -46,6 +46,11 @@ class PoolLookup:
         todo = chunk_hashes[start:] if start else chunk_hashes
         if not todo:
             return start
+        health = self.guard.monitor
+        if health is not None and health.degraded:
+            # Degraded: no traffic to the sick backend; a miss costs a recompute.
+            self.guard.metrics.add(lookups=1, lookups_skipped_degraded=1)
+            return start
         if self._scan is not None:
             return start + self._scan_hits(tenant, todo)
         if isinstance(todo[0], bytes):

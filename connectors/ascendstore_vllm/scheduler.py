@@ -10,7 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 from ascendstore.contract import BackendContext, BackendSetupError
 from ascendstore.engine import BackendGuard, EngineMetrics, PoolLookup
-from ascendstore.keys import block_hash_hex
+from ascendstore.engine.admission import SaveAdmission
+from ascendstore.engine.health import attach_health
+from ascendstore.engine.metrics import LabelCap
+from ascendstore.keys import NO_TENANT, block_hash_hex
 from ascendstore.registry import create_backend
 from ascendstore_vllm.context import ConnectorContext, chunk_bounds
 from ascendstore_vllm.lookup_rpc import LookupClient
@@ -59,6 +62,11 @@ class AscendStoreScheduler:
         self._delayed_free: list[str] = []
         self._events: list[Any] = []
         self.request_params_hooks: list[RequestParamsHook] = []
+        # Operator metrics and admission (docs/failure-semantics.md, docs/benchmarking.md).
+        self._lookup_local: dict[str, int] = {}  # req -> device hit tokens at its last lookup
+        self._tenant_label = LabelCap(cfg.metrics_max_tenants)
+        self._admission = SaveAdmission(cfg.admit_after_hits, cfg.save_budget_bytes_per_step, cfg.admit_track_chunks)
+        self._chunk_bytes = chunk_kv_bytes(ctx)
         #: time spent in this connector's scheduler-side calls (bench/observability).
         self.busy_s = 0.0
 
@@ -85,6 +93,8 @@ class AscendStoreScheduler:
             else:
                 if backend.capabilities.scheduler_client or mode == "scheduler":
                     self._guard = BackendGuard(backend, cfg.timeout_ms / 1000, metrics=self.metrics)
+                    # This process's own monitor: lookups answer 0 while it is degraded.
+                    attach_health(self._guard, cfg, process="scheduler", instance_id=self.ctx.instance_id)
                     self._lookup = PoolLookup(self._guard, self.ctx.key_builder(), self._lookup_timeout_s)
                     log.info("AscendStore lookups: scheduler-side client of backend %r", cfg.backend)
                     return
@@ -116,6 +126,7 @@ class AscendStoreScheduler:
     def _matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         cfg = self.ctx.config
         self._matched.pop(request.request_id, None)
+        self._lookup_local[request.request_id] = num_computed_tokens
         if not self.ctx.can_load or request.num_tokens < max(cfg.min_lookup_tokens, 1):
             return 0, False
         # Chunk i covers blocks [i*bpc, min((i+1)*bpc, nblocks)) (as chunk_bounds), computed
@@ -169,6 +180,7 @@ class AscendStoreScheduler:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         tr = self._tracker(request)
         tr.block_ids = list(blocks.get_block_ids()[0])
+        self._count_hits(tr, num_external_tokens)
         matched = self._matched.pop(request.request_id, None)
         if num_external_tokens <= 0 or matched is None:
             return
@@ -204,6 +216,7 @@ class AscendStoreScheduler:
     def _build_meta(self, so: SchedulerOutput) -> AscendStoreMetadata:
         meta = AscendStoreMetadata(loads=self._loads, delayed_free=self._delayed_free)
         self._loads, self._delayed_free = [], []
+        self._admission.new_step()
         if so.preempted_req_ids:
             meta.preempted = list(so.preempted_req_ids)
         for r in so.finished_req_ids:
@@ -251,6 +264,10 @@ class AscendStoreScheduler:
         if not chunks:
             return
         tr.next_save_block = bounds[chunks[-1].index][1]
+        if self._admission.active:
+            chunks = self._admit(tr, chunks)
+            if not chunks:
+                return
         tr.saves_planned = True
         meta.saves.append(SaveSpec(req.request_id, tr.tenant, chunks))
         if self.ctx.config.kv_events:
@@ -275,6 +292,30 @@ class AscendStoreScheduler:
             )
         )
 
+    def _admit(self, tr: _Tracker, chunks: list[ChunkRef]) -> list[ChunkRef]:
+        """The leading chunks admission lets this step save (the rest is skipped)."""
+        keys = [f"{tr.tenant}/{c.chunk_hash}" for c in chunks]
+        n, st = self._admission.admit(keys, self._chunk_bytes)
+        if st.refused_hits or st.refused_budget:
+            self.metrics.add(save_skipped_admission=st.refused_hits, save_skipped_budget=st.refused_budget)
+        return chunks[:n]
+
+    def _count_hits(self, tr: _Tracker, num_external_tokens: int) -> None:
+        """Hits by tier (device prefix cache, pool) and pool hits by tenant, once
+        per scheduling of a request (lookups repeat while a request waits)."""
+        local = self._lookup_local.pop(tr.request.request_id, None)
+        if local is None:
+            return
+        m = self.metrics
+        tenant = self._tenant_label("default" if tr.tenant == NO_TENANT else tr.tenant)
+        m.add(prompt_tokens=tr.request.num_prompt_tokens)
+        m.add_labelled("tenant_prompt_tokens", tenant, tr.request.num_prompt_tokens)
+        if local:
+            m.add_labelled("hit_tokens", "device", local)
+        if num_external_tokens > 0:
+            m.add_labelled("hit_tokens", "pool_" + self.hit_tier().lower(), num_external_tokens)
+            m.add_labelled("tenant_hit_tokens", tenant, num_external_tokens)
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         invalid = connector_output.invalid_block_ids
         if invalid:
@@ -290,6 +331,7 @@ class AscendStoreScheduler:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         tr = self._trackers.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
+        self._lookup_local.pop(request.request_id, None)
         self._bad_from.pop(request.request_id, None)
         self._inflight_loads.pop(request.request_id, None)
         if tr is None or not tr.saves_planned:
@@ -323,3 +365,16 @@ class AscendStoreScheduler:
             self._guard.close()
         if self._rpc is not None:
             self._rpc.close()
+
+
+def chunk_kv_bytes(ctx: ConnectorContext) -> int:
+    """KV bytes of one chunk on one rank, from the key fingerprint (what a save writes)."""
+    import torch
+
+    fp = ctx.fingerprint
+    try:
+        itemsize = getattr(torch, fp.dtype.removeprefix("torch.")).itemsize
+    except (AttributeError, TypeError):
+        itemsize = 2
+    per_token = (1 if fp.use_mla else 2) * fp.num_kv_heads * fp.head_size * itemsize
+    return per_token * fp.num_layers * ctx.chunk_size

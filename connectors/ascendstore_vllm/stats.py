@@ -8,7 +8,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from ascendstore.engine import EngineMetrics
-from ascendstore.engine.metrics import COUNTERS, GAUGES
+from ascendstore.engine.metrics import COUNTERS, GAUGES, LABELLED, STATES, split_labelled
 from ascendstore_vllm.gr.stats import gr_prom_metrics_if_enabled, reduce_prefixed
 
 
@@ -24,13 +24,15 @@ class AscendStoreStats(KVConnectorStats):
         return self
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        # A state gauge back at 0 is news (the degraded gauge must return to 0).
+        return not any(self.data.values()) and not any(k in self.data for k in STATES)
 
     def reduce(self) -> dict[str, int | float]:
         d = self.data
         out: dict[str, int | float] = {}
         for k in ("lookups", "lookup_hit_tokens", "load_ops", "save_ops", "load_failures", "save_failures",
-                  "timeouts", "queue_depth_max"):
+                  "timeouts", "queue_depth_max", "degraded", "lookup_load_misses", "save_skipped_admission",
+                  "save_skipped_budget", "save_skipped_degraded"):
             if d.get(k):
                 out[k] = d[k]
         for kind in ("load", "save"):
@@ -55,7 +57,39 @@ _HELP = {
     "load_corrupt": "chunk objects that failed their checksum (removed, recomputed)",
     "save_failures": "chunk objects that failed to save",
     "timeouts": "backend calls that overran timeout_ms",
+    "prompt_tokens": "prompt tokens of requests the scheduler admitted (denominator of hit ratios)",
+    "hit_tokens": "prompt tokens served from a cache tier: device (vLLM prefix cache) or pool_<tier>",
+    "tenant_hit_tokens": "prompt tokens served from the pool, by tenant (hashed cache_salt; capped, rest 'other')",
+    "tenant_prompt_tokens": "prompt tokens of admitted requests, by tenant (hashed cache_salt; capped, rest 'other')",
+    "lookup_load_misses": "chunk objects a lookup counted present and the load then did not find (recomputed)",
+    "degraded": "1 while a process of this engine has stopped using a sick backend (degraded mode)",
+    "health_degraded": "transitions to degraded mode (repeated backend failures or timeouts)",
+    "health_recovered": "transitions back to normal after good background probes",
+    "health_probes": "background health probes while degraded",
+    "degraded_skipped_keys": "keys of backend calls answered UNAVAILABLE without a call (degraded mode)",
+    "lookups_skipped_degraded": "lookups answered 0 in degraded mode",
+    "save_skipped_degraded": "chunk objects not saved in degraded mode",
+    "save_skipped_admission": "chunks not saved: seen fewer than admit_after_hits times",
+    "save_skipped_budget": "chunks not saved: over save_budget_bytes_per_step",
+    "backend_read_bytes": "bytes read from the backend (chunk pool and GR user store)",
+    "backend_written_bytes": "bytes written to the backend (chunk pool and GR user store)",
 }
+#: per-backend traffic: exported name -> stats keys summed into it
+BACKEND_BYTES = {
+    "backend_read_bytes": ("load_bytes", "gr_bytes_loaded"),
+    "backend_written_bytes": ("save_bytes", "gr_bytes_saved"),
+}
+
+
+def _backend_name(vllm_config: Any) -> str:
+    """The storage backend this engine's connector uses (label of the traffic metrics)."""
+    from ascendstore.config import load_config
+
+    try:
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        return load_config(extra).backend
+    except Exception:
+        return "unknown"
 
 
 class AscendStorePromMetrics(KVConnectorPromMetrics):
@@ -79,6 +113,25 @@ class AscendStorePromMetrics(KVConnectorPromMetrics):
                 multiprocess_mode="mostrecent",
             )
             self._gauges[name] = {i: metric.labels(*v) for i, v in per_engine_labelvalues.items()}
+        for name in STATES:
+            metric = self._gauge_cls(
+                name=f"vllm:ascendstore_{name}", documentation=_HELP.get(name, name),
+                labelnames=labelnames, multiprocess_mode="max",
+            )
+            self._gauges[name] = {i: metric.labels(*v) for i, v in per_engine_labelvalues.items()}
+        # Labelled counters: one child per (engine, label value); values are bounded at the source.
+        self._labelled: dict[str, Any] = {
+            name: self._counter_cls(name=f"vllm:ascendstore_{name}", documentation=_HELP.get(name, name),
+                                    labelnames=[*labelnames, label])
+            for name, label in LABELLED.items()
+        }
+        self._engine_labels = {i: list(v) for i, v in per_engine_labelvalues.items()}
+        backend = _backend_name(vllm_config)
+        self._backend_bytes: dict[str, dict[int, Any]] = {}
+        for name in BACKEND_BYTES:
+            metric = self._counter_cls(name=f"vllm:ascendstore_{name}", documentation=_HELP[name],
+                                       labelnames=[*labelnames, "backend"])
+            self._backend_bytes[name] = {i: metric.labels(*v, backend) for i, v in per_engine_labelvalues.items()}
         self._gr = gr_prom_metrics_if_enabled(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -87,5 +140,11 @@ class AscendStorePromMetrics(KVConnectorPromMetrics):
                 self._counters[name][engine_idx].inc(value)
             elif name in self._gauges:
                 self._gauges[name][engine_idx].set(value)
+            elif value and (lab := split_labelled(name)) is not None:
+                self._labelled[lab[0]].labels(*self._engine_labels[engine_idx], lab[1]).inc(value)
+        for name, keys in BACKEND_BYTES.items():
+            n = sum(transfer_stats_data.get(k, 0) for k in keys)
+            if n:
+                self._backend_bytes[name][engine_idx].inc(n)
         if self._gr is not None:
             self._gr.observe_prefixed(transfer_stats_data, engine_idx)

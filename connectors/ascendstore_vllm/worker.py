@@ -21,6 +21,8 @@ from ascendstore.engine import (
     SharedExists,
     TransferEngine,
 )
+from ascendstore.engine.health import attach_health
+from ascendstore.engine.metrics import lookup_load_miss_counter
 from ascendstore.registry import create_backend
 from ascendstore_vllm.context import ConnectorContext
 from ascendstore_vllm.device import DeviceSync, HostStaging
@@ -90,6 +92,12 @@ class AscendStoreWorker:
             ),
         )
         self.guard = BackendGuard(backend, cfg.timeout_ms / 1000, metrics=self.metrics)
+        # This process's own health monitor (the scheduler has another): while it
+        # is degraded the guard sends nothing to the backend, saves are skipped,
+        # loads recomputed and the lookups this worker serves over RPC answer 0.
+        attach_health(self.guard, cfg, process=f"worker-dp{ctx.dp_rank}-tp{ctx.tp_rank}-pp{ctx.pp_rank}",
+                      instance_id=ctx.instance_id)
+        self.guard.observers.append(lookup_load_miss_counter(self.metrics))
         rg = ctx.replicas
         idx, size = (rg.index, rg.size) if rg.size > 1 else (ctx.tp_rank, ctx.tp_size)
         self.engine = TransferEngine(
@@ -289,6 +297,8 @@ class AscendStoreWorker:
         i = self.layout.index.get(layer_name)
         if i is None:
             return
+        if self._degraded(self._meta):
+            return
         before = self._ready_hook()
         if self._step_exists is None or self._step_exists[0] is not self._meta:
             # One batched exists per step for every layer's objects (asked on the saver thread).
@@ -324,7 +334,7 @@ class AscendStoreWorker:
         meta = self._meta
         if meta is None or self.layout is None or self.ctx.config.use_layerwise:
             return
-        if not meta.saves:
+        if not meta.saves or self._degraded(meta):
             return
         before = self._ready_hook()
         for spec in meta.saves:
@@ -334,6 +344,14 @@ class AscendStoreWorker:
                 self.metrics.add(save_skipped_not_writer=skipped)
             if ops:
                 self.engine.submit_save(spec.req_id, ops, before=before)
+
+    def _degraded(self, meta: AscendStoreMetadata) -> bool:
+        """Degraded mode: skip this step's saves (counted per chunk object)."""
+        health = self.guard.monitor
+        if health is None or not health.degraded:
+            return False
+        self.metrics.add(save_skipped_degraded=sum(len(s.chunks) for s in meta.saves))
+        return True
 
     def _ready_hook(self) -> Callable[[], None] | None:
         """Saves must not read KV before the device has written it."""

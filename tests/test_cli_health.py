@@ -1,0 +1,65 @@
+"""``ascendstore doctor`` shows the health monitors of running engines."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import pytest
+from typer.testing import CliRunner
+
+from ascendstore.cli import common as cli_common
+from ascendstore.cli import get_app
+from ascendstore.engine.health import HealthMonitor, state_path_for
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def private_state_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))
+    old = cli_common.console.width
+    cli_common.console.width = 250
+    yield tmp_path
+    cli_common.console.width = old
+
+
+def doctor(instance: str):
+    opts = json.dumps({"name": "doc-" + uuid.uuid4().hex[:8], "capacity": "4MiB", "page_size": "4KiB"})
+    extra = json.dumps({"instance_id": instance})
+    return runner.invoke(get_app(), ["doctor", "--backend", "local", "--backend-config", opts,
+                                     "--kv-transfer-config", extra])
+
+
+def test_doctor_reports_degraded_then_healthy_engine_processes(private_state_dir):
+    inst = "inst-" + uuid.uuid4().hex[:6]
+    good = [True]
+    mons = [HealthMonitor(lambda: (good[0], "probe"), failure_threshold=1, probe_interval_s=60, recovery_probes=1,
+                          process=p, backend="mooncake", state_path=state_path_for(inst, p))
+            for p in ("scheduler", "worker-dp0-tp0-pp0")]
+    try:
+        res = doctor(inst)
+        assert res.exit_code == 0, res.output
+        assert "ok   engine health scheduler" in res.output and "ok   engine health worker-dp0-tp0-pp0" in res.output
+        assert "ok   degraded mode: after 5 failed backend calls in a row" in res.output
+        mons[1].degrade("get: TIMEOUT")
+        res = doctor(inst)
+        assert res.exit_code == 1, res.output
+        assert "FAIL engine health worker-dp0-tp0-pp0" in res.output and "DEGRADED since" in res.output
+        assert "get: TIMEOUT" in res.output
+        assert mons[1].probe_now() and not mons[1].degraded
+        res = doctor(inst)
+        assert res.exit_code == 0 and "1 degraded / 1 recovered" in res.output, res.output
+        # A file left by a dead process is named as stale, not as an engine's state.
+        stale = state_path_for(inst, "worker-dp0-tp1-pp0")
+        with open(stale, "w") as f:
+            json.dump({"state": "degraded", "pid": 2**22 + 12345, "process": "worker-dp0-tp1-pp0"}, f)
+        res = doctor(inst)
+        assert res.exit_code == 0 and "stale health file" in res.output, res.output
+        os.unlink(stale)
+    finally:
+        for m in mons:
+            m.close()
+    res = doctor(inst)
+    assert "no running AscendStore process publishes its health" in res.output
