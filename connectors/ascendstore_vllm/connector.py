@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ascendstore_vllm.context import ConnectorContext
 from ascendstore_vllm.gr.stats import prefixed
 from ascendstore_vllm.gr.wiring import PLAN_KEY, attach_gr, plan_of
-from ascendstore_vllm.metadata import AscendStoreMetadata
+from ascendstore_vllm.metadata import AscendStoreMetadata, AscendStoreWorkerMeta
 from ascendstore_vllm.stats import AscendStorePromMetrics, AscendStoreStats
 
 if TYPE_CHECKING:
@@ -174,6 +174,14 @@ class AscendStoreConnector(KVConnectorBase_V1):
         if self.gr is not None:
             errors |= self.gr.take_load_errors()
         return errors
+
+    def build_connector_worker_meta(self) -> AscendStoreWorkerMeta | None:
+        # KV events: keys whose saves landed this step, merged across ranks by vLLM
+        # and read by the scheduler side in update_connector_output.
+        if self.worker is None or not self.ctx.config.kv_events:
+            return None
+        landed = self.worker.take_landed()
+        return AscendStoreWorkerMeta(landed) if landed else None
 
     def get_kv_connector_stats(self) -> AscendStoreStats | None:
         role = self.worker or self.scheduler

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass
@@ -44,3 +44,17 @@ class AscendStoreMetadata(KVConnectorMetadata):
 
     def is_empty(self) -> bool:
         return not (self.loads or self.saves or self.delayed_free or self.preempted)
+
+
+@dataclass
+class AscendStoreWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, once per step: pool keys whose puts landed (status
+    OK) since the last step. vLLM merges the ranks' metas with ``aggregate``;
+    the scheduler announces a chunk (KV event ``BlockStored``) once the union
+    holds every object of it."""
+
+    landed: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> AscendStoreWorkerMeta:
+        assert isinstance(other, AscendStoreWorkerMeta)
+        return AscendStoreWorkerMeta(self.landed | other.landed)

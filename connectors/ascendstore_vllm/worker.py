@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -117,6 +118,10 @@ class AscendStoreWorker:
         self._delayed: set[str] = set()
         self._step_exists: tuple[AscendStoreMetadata, SharedExists] | None = None
         self._server: LookupServer | None = None
+        self._landed: list[str] = []
+        self._landed_lock = threading.Lock()
+        if cfg.kv_events:
+            self._watch_landed_saves()
         if ctx.tp_rank == 0 and ctx.pp_rank == 0 and cfg.lookup_mode in ("auto", "rpc"):
             try:
                 self._server = LookupServer(
@@ -320,6 +325,29 @@ class AscendStoreWorker:
         sent = {r for r in self._delayed if not self.engine.pending("save", r)}
         self._delayed -= sent
         return (sent or None), (recv or None)
+
+    # -- KV events: which saved objects landed (ascendstore_vllm.events) -----------------
+    def _watch_landed_saves(self) -> None:
+        """Collect the keys whose puts returned OK, for the scheduler's BlockStored.
+
+        Hooks the transfer engine's per-batch save completion, which alone knows
+        each key's status; nothing on the data path changes."""
+        inner = self.engine._save_done
+
+        def save_done(batch, statuses, dt):
+            inner(batch, statuses, dt)
+            ok = [op.key for op, st in zip(batch, statuses, strict=True) if st is Status.OK]
+            if ok:
+                with self._landed_lock:
+                    self._landed.extend(ok)
+
+        self.engine._save_done = save_done
+
+    def take_landed(self) -> set[str]:
+        """Keys landed since the last call (sent back in the step's worker meta)."""
+        with self._landed_lock:
+            landed, self._landed = self._landed, []
+        return set(landed)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
