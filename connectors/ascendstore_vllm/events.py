@@ -77,13 +77,15 @@ class _Pending:
     """A planned chunk save whose objects have not all landed yet."""
 
     block_hashes: tuple[Any, ...]
+    #: first block's position in the sequence: announcements go out in prefix order
+    start: int
     parent: Any
     token_ids: list[int]
     lora_name: str | None
     needed: frozenset[str]
     got: set[str] = field(default_factory=set)
     reqs: set[str] = field(default_factory=set)
-    #: an object of this chunk was reported removed while the save was in flight.
+    #: an object of this chunk was reported removed since ``got`` began to fill.
     dirty: bool = False
 
 
@@ -93,6 +95,8 @@ class _Ready:
     chunk: _Pending
     #: read of the removal record this chunk waits for (the first that starts after it landed).
     after_read: int
+    #: a removal of one of its objects was seen: check exists before announcing.
+    dirty: bool = False
 
 
 class RemovalRecord:
@@ -192,6 +196,7 @@ class KVEventLog:
                 b1 = b0 + len(c.block_ids)
                 p = _Pending(
                     block_hashes=tuple(req.block_hashes[b0:b1]),
+                    start=b0,
                     parent=req.block_hashes[b0 - 1] if b0 else None,
                     token_ids=list(req.all_token_ids[b0 * bs : b1 * bs]),
                     lora_name=getattr(lora, "lora_name", None) if lora is not None else None,
@@ -213,9 +218,11 @@ class KVEventLog:
                 continue
             p.got.add(k)
             if p.got >= p.needed:
-                self._forget(cid)
+                # Complete. The entry stays while other requests' saves of the same
+                # chunk run: one of them may put it again after an eviction.
                 nxt = self.record.started + 1 if self.record is not None else 0
-                self._ready.append(_Ready(cid, p, nxt))
+                self._ready.append(_Ready(cid, p, nxt, p.dirty))
+                p.got, p.dirty = set(), False
 
     def requests_done(self, req_ids: Iterable[str]) -> None:
         """Every save of these requests ended on every rank: objects that have not
@@ -252,7 +259,7 @@ class KVEventLog:
                 ready_now = [r for r in self._ready if r.after_read <= n]
                 self._ready = [r for r in self._ready if r.after_read > n]
                 hit = self._apply_removals(events)
-                verify = {r.cid for r in ready_now if r.cid in hit or r.chunk.dirty}
+                verify = {r.cid for r in ready_now if r.cid in hit or r.dirty}
                 if lost:
                     log.warning("pool removal record lost %d events; re-checking %d announced chunks",
                                 lost, len(self._tracked))
@@ -264,7 +271,8 @@ class KVEventLog:
                 if r.cid in verify and r.cid not in present:
                     self.unconfirmed_chunks += 1
             ready_now = [r for r in ready_now if r.cid not in verify or r.cid in present]
-        for r in ready_now:
+        # Parents before children (a router links a block to its parent).
+        for r in sorted(ready_now, key=lambda r: r.chunk.start):
             self._announce(r.cid, r.chunk)
         out, self._out = self._out, []
         return out
@@ -291,7 +299,7 @@ class KVEventLog:
                 p.dirty = True
             for r in self._ready:
                 if r.cid == cid:
-                    r.chunk.dirty = True
+                    r.dirty = True
             if cid in self._tracked:
                 self._withdraw(cid)
         return hit

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
@@ -37,6 +38,8 @@ _new = object.__new__
 _set = object.__setattr__
 
 
+#: keys of submitted saves awaiting their result (KV events); oldest dropped beyond
+MAX_AWAITED_KEYS = 1 << 16
 #: bound on cached region lists (a few MB at most; cleared whole when full)
 REGION_CACHE_ENTRIES = 1 << 16
 
@@ -119,6 +122,8 @@ class AscendStoreWorker:
         self._step_exists: tuple[AscendStoreMetadata, SharedExists] | None = None
         self._server: LookupServer | None = None
         self._landed: list[str] = []
+        #: key -> saves of it submitted and not yet found in the pool
+        self._awaiting: OrderedDict[str, int] = OrderedDict()
         self._landed_lock = threading.Lock()
         if cfg.kv_events:
             self._watch_landed_saves()
@@ -283,6 +288,7 @@ class AscendStoreWorker:
             keys = [self.keys.key(s.tenant, c.chunk_hash, lay) for s in self._meta.saves for c in s.chunks
                     if self.ctx.replicas.writes(c.index) for lay in range(self.layout.num_layers)]
             self._step_exists = (self._meta, SharedExists(keys))
+            self._await_saves(keys)  # every layer's, before the shared exists can run
         shared = self._step_exists[1]
         for spec in self._meta.saves:
             ops = self._ops(spec, i, writer_only=True)
@@ -302,6 +308,7 @@ class AscendStoreWorker:
             if skipped:
                 self.metrics.add(save_skipped_not_writer=skipped)
             if ops:
+                self._await_saves([op.key for op in ops])
                 self.engine.submit_save(spec.req_id, ops, before=before)
 
     def _ready_hook(self) -> Callable[[], None] | None:
@@ -326,25 +333,55 @@ class AscendStoreWorker:
         self._delayed -= sent
         return (sent or None), (recv or None)
 
-    # -- KV events: which saved objects landed (ascendstore_vllm.events) -----------------
+    # -- KV events: which saved objects are in the pool (ascendstore_vllm.events) ---------
+    # Clearly separate from the data path: two wrappers observe results the transfer
+    # engine already gets, and only for keys of saves this worker submitted.
     def _watch_landed_saves(self) -> None:
-        """Collect the keys whose puts returned OK, for the scheduler's BlockStored.
-
-        Hooks the transfer engine's per-batch save completion, which alone knows
-        each key's status; nothing on the data path changes."""
-        inner = self.engine._save_done
+        """Note the keys of submitted saves that are in the pool afterwards: the
+        put returned OK (the engine's per-batch save completion, which alone knows
+        each key's status), or the engine's exists found the object already there
+        (skipped as existing; its other objects may have been evicted and re-put)."""
+        inner_done = self.engine._save_done
 
         def save_done(batch, statuses, dt):
-            inner(batch, statuses, dt)
-            ok = [op.key for op, st in zip(batch, statuses, strict=True) if st is Status.OK]
-            if ok:
-                with self._landed_lock:
-                    self._landed.extend(ok)
+            inner_done(batch, statuses, dt)
+            self._note_present([op.key for op, st in zip(batch, statuses, strict=True) if st is Status.OK])
 
         self.engine._save_done = save_done
+        inner_exists = self.guard.exists
+
+        def exists(keys, timeout_s=None):
+            statuses = inner_exists(keys, timeout_s)
+            self._note_present([k for k, st in zip(keys, statuses, strict=True) if st is Status.OK])
+            return statuses
+
+        self.guard.exists = exists
+
+    def _await_saves(self, keys: list[str]) -> None:
+        """Keys of saves about to be submitted (events on)."""
+        if not self.ctx.config.kv_events:
+            return
+        with self._landed_lock:
+            for k in keys:
+                self._awaiting[k] = self._awaiting.get(k, 0) + 1
+            while len(self._awaiting) > MAX_AWAITED_KEYS:
+                self._awaiting.popitem(last=False)  # a save long dropped
+
+    def _note_present(self, keys: list[str]) -> None:
+        if not keys:
+            return
+        with self._landed_lock:
+            for k in keys:
+                # One note per submitted save (its exists found it, or its put stored it).
+                n = self._awaiting.pop(k, 0)
+                if n:
+                    self._landed.append(k)
+                    if n > 1:
+                        self._awaiting[k] = n - 1
 
     def take_landed(self) -> set[str]:
-        """Keys landed since the last call (sent back in the step's worker meta)."""
+        """Keys of this worker's saves found in the pool since the last call (sent
+        back in the step's worker meta)."""
         with self._landed_lock:
             landed, self._landed = self._landed, []
         return set(landed)

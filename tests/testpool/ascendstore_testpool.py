@@ -9,7 +9,8 @@ Fault injection for the failure tests (all off by default):
   * ``fail_get_every``: a get of a key whose digest % N == 0 reports UNAVAILABLE;
   * ``hang_ops`` / ``hang_s``: those operations sleep hang_s, ignoring timeouts;
   * ``hang_after_puts``: hang only once this many objects have been put;
-  * ``put_delay_s``: every put sleeps first (keeps saves in flight).
+  * ``put_delay_s``: every put sleeps first (keeps saves in flight);
+  * ``jitter_s``: every exists/put/get sleeps a random 0..jitter_s first (interleavings).
 
 A small LRU pool with a removal record, for the KV-event tests (off by default):
   * ``capacity_objects``: at most this many objects; a put beyond it evicts the
@@ -28,6 +29,7 @@ import dataclasses
 import fcntl
 import hashlib
 import os
+import random
 import tempfile
 import time
 from collections.abc import Sequence
@@ -51,6 +53,7 @@ class DirPoolOptions(BackendOptions):
     hang_ops: list[str] = []
     hang_s: float = 0.0
     put_delay_s: float = 0.0
+    jitter_s: float = 0.0
     scheduler_client: bool = True
     capacity_objects: int = 0
     removal_record: bool = False
@@ -196,6 +199,8 @@ class DirPoolBackend(Backend):
         return os.path.join(self.root, key.replace("/", "%2F"))
 
     def _maybe_hang(self, op: str) -> None:
+        if self.opts.jitter_s:
+            time.sleep(random.uniform(0, self.opts.jitter_s))
         if op in self.opts.hang_ops and self.opts.hang_s:
             time.sleep(self.opts.hang_s)
 
