@@ -48,7 +48,7 @@ class _Tracker:
 
 
 class AscendStoreScheduler:
-    def __init__(self, ctx: ConnectorContext) -> None:
+    def __init__(self, ctx: ConnectorContext, *, kv_events: bool | None = None) -> None:
         self.ctx = ctx
         cfg = ctx.config
         self.metrics = EngineMetrics()
@@ -60,7 +60,7 @@ class AscendStoreScheduler:
         #: KV events (kv_events: true): BlockStored once saves land, BlockRemoved
         #: from the pool's removal record (ascendstore_vllm.events).
         self.events: KVEventLog | None = None
-        if cfg.kv_events:
+        if cfg.kv_events if kv_events is None else kv_events:
             self.events = KVEventLog(
                 ctx.key_builder(), ctx.block_size, guard=self._guard,
                 local=self._guard is not None and not self._guard.capabilities.shared_across_nodes,

@@ -125,8 +125,7 @@ class AscendStoreWorker:
         #: key -> saves of it submitted and not yet found in the pool
         self._awaiting: OrderedDict[str, int] = OrderedDict()
         self._landed_lock = threading.Lock()
-        if cfg.kv_events:
-            self._watch_landed_saves()
+        self._events_on = False
         if ctx.tp_rank == 0 and ctx.pp_rank == 0 and cfg.lookup_mode in ("auto", "rpc"):
             try:
                 self._server = LookupServer(
@@ -336,11 +335,12 @@ class AscendStoreWorker:
     # -- KV events: which saved objects are in the pool (ascendstore_vllm.events) ---------
     # Clearly separate from the data path: two wrappers observe results the transfer
     # engine already gets, and only for keys of saves this worker submitted.
-    def _watch_landed_saves(self) -> None:
+    def watch_landed_saves(self) -> None:
         """Note the keys of submitted saves that are in the pool afterwards: the
         put returned OK (the engine's per-batch save completion, which alone knows
         each key's status), or the engine's exists found the object already there
         (skipped as existing; its other objects may have been evicted and re-put)."""
+        self._events_on = True
         inner_done = self.engine._save_done
 
         def save_done(batch, statuses, dt):
@@ -359,7 +359,7 @@ class AscendStoreWorker:
 
     def _await_saves(self, keys: list[str]) -> None:
         """Keys of saves about to be submitted (events on)."""
-        if not self.ctx.config.kv_events:
+        if not self._events_on:
             return
         with self._landed_lock:
             for k in keys:
