@@ -111,16 +111,29 @@ class RemovalRecord:
         self.started = 0
         self.cursor = -1
         self.lost_total = 0
+        self._blind = False
         self.read()  # position the cursor at "now": earlier removals are not ours
 
     def _call(self, cursor: int) -> tuple[int, list[Any], int]:
-        return self.backend.removed_since(cursor, RECORD_BATCH)
+        # Everything up to now: a read counts as done only once it reached the end
+        # of the record (announcements wait for it), so read on while batches are full.
+        events: list[Any] = []
+        lost = 0
+        while True:
+            cursor, batch, n_lost = self.backend.removed_since(cursor, RECORD_BATCH)
+            events.extend(batch)
+            lost += n_lost
+            if cursor < 0 or len(batch) < RECORD_BATCH:
+                return cursor, events, lost
 
     def read(self) -> tuple[int, list[Any], int] | None:
         """Events since the last read: (read number, events, lost), or None while
         a read is still running (it is collected by a later call)."""
         if self._fut is None:
             self.started += 1
+            # A cursor never positioned (the first read failed) starts at "now":
+            # whatever was removed before is unknown, as if lost.
+            self._blind = self.cursor < 0 and self.started > 1
             self._fut = self._pool.submit(self._call, self.cursor)
         try:
             cursor, events, lost = self._fut.result(timeout=self.timeout_s)
@@ -135,11 +148,9 @@ class RemovalRecord:
                 self._fut = None
         n = self.started
         self.cursor = cursor
+        lost = max(lost, int(self._blind))
         self.lost_total += lost
-        if len(events) >= RECORD_BATCH:
-            # More waiting: read on at once (bounded by the same timeout next step).
-            log.debug("removal record: %d events in one read", len(events))
-        return n, list(events), lost
+        return n, events, lost
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -225,3 +225,36 @@ def test_dropped_saves_are_forgotten_when_the_request_is_done():
     land(pool, log, kb, chunk(r, 0))  # a late report for a forgotten save
     assert log.take() == []
     assert not log._pending and not log._by_key
+
+
+def test_a_long_record_is_read_to_its_end_in_one_step(monkeypatch):
+    import ascendstore_vllm.events as events
+
+    monkeypatch.setattr(events, "RECORD_BATCH", 2)
+    pool, kb, log = setup()
+    r = request("a", 5)
+    cs = [chunk(r, i) for i in range(5)]
+    log.planned(r, "-", cs, 1)
+    for c in cs:
+        land(pool, log, kb, c)
+    assert len(log.take()) == 5
+    for c in cs:
+        pool.evict(keys_of(kb, c)[0])
+    assert kinds(log.take()) == [("BlockRemoved", 1)] * 5
+
+
+def test_a_failing_record_read_rechecks_announced_chunks():
+    pool, kb, log = setup()
+    r = request("a", 2)
+    cs = [chunk(r, 0), chunk(r, 1)]
+    log.planned(r, "-", cs, 1)
+    for c in cs:
+        land(pool, log, kb, c)
+    assert len(log.take()) == 2
+    real = pool.removed_since
+    pool.removed_since = lambda cursor, limit: (_ for _ in ()).throw(RuntimeError("record down"))
+    pool.evict(keys_of(kb, cs[0])[0])
+    ev = log.take()  # the read fails: announced chunks are checked with exists
+    assert kinds(ev) == [("BlockRemoved", 1)]
+    pool.removed_since = real
+    assert log.take() == []  # the eviction, now read from the record, was already withdrawn
