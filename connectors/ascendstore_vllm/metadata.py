@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+except ImportError:  # vLLM before the worker-meta path: no landing reports, so no BlockStored
+    KVConnectorWorkerMetadata = object  # type: ignore[assignment,misc]
 
 
 @dataclass
