@@ -31,9 +31,12 @@ def _spec(root: str, **extra) -> dict:
     return {"extra_config": cfg, "kv_load_failure_policy": "fail", "max_num_batched_tokens": 40}
 
 
-@pytest.mark.parametrize("mode", ["sync", "layerwise"])
+MODES = {"sync": {}, "async": {"load_async": True}, "layerwise": {"use_layerwise": True}}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 def test_chunked_prefill_saves_every_full_chunk_and_the_tail(pool_root, mode):
-    spec = _spec(pool_root, **({"use_layerwise": True} if mode == "layerwise" else {}))
+    spec = _spec(pool_root, **MODES[mode])
     a = EngineHarness(EngineSpec(**spec))
     try:
         a.add_request("a", PROMPT)
