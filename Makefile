@@ -44,13 +44,14 @@ test-mooncake: setup
 demo: setup
 	$(PY) -m ascendstore.demo
 
-# Fault injection in full (docs/failure-semantics.md): longer fault mixes, the
+# Fault injection in full (docs/failure-semantics.md): longer fault mixes, 200
+# randomized two-engine interleavings per transfer mode (tests/chaos/test_interleaving.py), the
 # Mooncake master SIGKILL in a private network namespace, then a soak (default
 # 10 minutes, CHAOS_SOAK_S) printing RSS/open-file figures. Every part runs; the
 # target fails if any did. `make test` runs the bounded form (tests/chaos).
 chaos: setup
 	@rc=0; \
-	ASCENDSTORE_CHAOS_SECONDS=60 $(PYTEST) -s -rA tests/chaos || rc=1; \
+	ASCENDSTORE_CHAOS_SECONDS=60 ASCENDSTORE_INTERLEAVE_ROUNDS=200 $(PYTEST) -s -rA tests/chaos || rc=1; \
 	unshare -n bash -c 'ip link set lo up && $(PYTEST) -s tests/mooncake/test_chaos_mooncake.py' || rc=1; \
 	$(PY) bench/chaos_soak.py --seconds $${CHAOS_SOAK_S:-600} || rc=1; \
 	exit $$rc
@@ -64,6 +65,7 @@ bench: setup
 	$(PY) bench/bench_connector.py
 	$(PY) bench/bench_lookup.py
 	$(PY) bench/bench_mooncake.py
+	$(PY) bench/bench_release.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info ascendstore/local/*.so

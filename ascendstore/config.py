@@ -108,10 +108,10 @@ class AscendStoreConfig(BaseModel):
     prefill_tp_size: int | None = Field(None, ge=1, description="PD split: TP size of the prefill instances (checked against the instance)")
     decode_tp_size: int | None = Field(None, ge=1, description="PD split: TP size of the decode instances (checked against the instance)")
     h2d_stagger_us: int = Field(0, ge=0, description="extra per-rank delay before a load starts (rank x this), on top of staggered order")
-    layerwise_prefetch_layers: int = Field(1, ge=1, description="layerwise: layers loaded ahead of the forward pass")
+    layerwise_prefetch_layers: int = Field(1, ge=0, description="layerwise: layers the loader may run ahead of the forward pass; 0: no limit")
     layerwise_max_transfer_blocks: int = Field(0, ge=0, description="layerwise: blocks per transfer batch; 0: unlimited")
     layerwise_max_transfer_bytes: ByteSize = Field(0, description="layerwise: bytes per transfer batch; 0: unlimited")
-    layerwise_num_shared_buffers: int = Field(2, ge=1, description="layerwise: staging buffers shared by layers (device KV)")
+    layerwise_num_shared_buffers: int = Field(2, ge=1, description="accepted for vllm-ascend compatibility; ignored (one staging buffer per direction, bounded by staging_buffer_bytes); a warning names it when set")
     layerwise_independent_layers: Bool = Field(False, description="accepted for vllm-ascend compatibility; layers are always independent objects here")
     qos_priority: int = Field(0, ge=0, le=4, description="accepted for vllm-ascend compatibility (0-4); no backend here uses it yet")
     memcache_dp_init_barrier: Bool = Field(False, description="accepted for vllm-ascend compatibility; no effect here (memcache clients start independently)")
@@ -126,7 +126,8 @@ class AscendStoreConfig(BaseModel):
         "auto", description="scheduler: query the backend from the scheduler; rpc: ask worker rank 0"
     )
     max_inflight_bytes: ByteSize = Field(0, description="per rank; 0: unlimited")
-    transfer_queue_size: int = Field(64, ge=1, description="bounded queue per transfer thread")
+    transfer_queue_size: int = Field(64, ge=1, description="save tasks queued per rank (layerwise: one per layer); a step's saves that do not fit are skipped whole")
+    save_queue_bytes: ByteSize = Field(1 << 30, description="bytes of saves queued per rank; a step's saves that do not fit are skipped whole; 0: unlimited")
     staging_buffer_bytes: ByteSize = Field(
         256 << 20,
         description="pinned host buffer per direction for KV on a device the backend cannot read (cuda/npu)",

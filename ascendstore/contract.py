@@ -86,6 +86,17 @@ class Capabilities:
     max_object_bytes: int = 1 << 30
     #: characters allowed in keys besides ASCII letters and digits.
     key_extra_chars: str = "@._:-/=+"
+    #: every call returns by itself within about ``timeout_s`` (plus the time to
+    #: copy its bytes). The engine then calls it on its own threads without a
+    #: watchdog and never abandons a call. False (the safe default): the engine's
+    #: guard runs calls on spare threads and stops waiting at the deadline.
+    bounded_calls: bool = False
+    #: on a timeout the backend may return while its library call goes on with
+    #: the call's regions (answer ``quiescent()`` False until it ends). The
+    #: engine lets calls use vLLM's KV blocks directly only when ``bounded_calls``
+    #: and not this; otherwise loads land in connector-owned buffers
+    #: (docs/failure-semantics.md).
+    detaches_calls: bool = False
 
 
 @dataclass
@@ -103,18 +114,23 @@ class BackendTestHooks(Protocol):
     """Optional fault injection for the conformance suite (never used in serving).
 
     A backend exposes it through ``Backend.test_hooks()``; the suite skips the
-    timeout and corruption tests, naming the missing hook, when it is absent.
-    A backend may implement only some hooks (leave the others out).
+    tests that need a hook, naming the missing hook, when it is absent. A
+    backend may implement only some hooks (leave the others out).
     """
 
     def delay(self, seconds: float) -> None:
-        """Make every later data call (exists/put/get/remove) of this client take
-        ``seconds`` as if the store were slow; 0 turns it off. Calls must still
-        honour their ``timeout_s`` and report TIMEOUT."""
+        """Make every later call of this client that takes a ``timeout_s``
+        (exists, put, get, remove, remove_prefix, health) take ``seconds`` as if
+        the store were slow; 0 turns it off. Calls must still return within
+        their ``timeout_s`` and report TIMEOUT (health: ``Health(TIMEOUT)``)."""
 
     def corrupt(self, key: str) -> bool:
         """Damage the stored bytes of ``key`` (False if absent)."""
 
+    def break_store(self) -> None:
+        """Break the store under this client as an outage would (its server
+        gone, its memory or directory destroyed); not undone. Afterwards
+        ``health()`` must not report OK, and no put or get reports OK."""
 
 class BackendSetupError(RuntimeError):
     """The backend could not be created. The message says what to fix."""
@@ -162,6 +178,8 @@ class Backend(ABC):
 
     #: pydantic model validating ``backend_config``.
     Options: ClassVar[type[BackendOptions]] = BackendOptions
+    #: a tool for tests (fault injection), never for serving; `ascendstore backends` marks it.
+    test_tool: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -170,13 +188,15 @@ class Backend(ABC):
 
     @property
     @abstractmethod
-    def capabilities(self) -> Capabilities: ...
+    def capabilities(self) -> Capabilities:
+        """What this client promises (a property); the suite tests what it declares."""
 
     def register(self, regions: Sequence[Region]) -> Status:
         """Make regions usable for zero-copy transfers. Default: nothing to do."""
         return Status.OK
 
     def unregister(self, regions: Sequence[Region]) -> Status:
+        """Undo register(). Default: nothing to do."""
         return Status.OK
 
     @abstractmethod
@@ -186,36 +206,58 @@ class Backend(ABC):
     @abstractmethod
     def put(
         self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float
-    ) -> list[Status]: ...
+    ) -> list[Status]:
+        """Store each key's bytes, the concatenation of its regions: OK, NO_SPACE
+        (full for now), INVALID (a key or size over the declared limits)."""
 
     @abstractmethod
     def get(
         self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float
-    ) -> list[Status]: ...
+    ) -> list[Status]:
+        """Copy each object into its regions. A key reported NOT_FOUND because it
+        is not stored, or INVALID, leaves its regions untouched; after CORRUPT,
+        TIMEOUT or UNAVAILABLE they may hold any bytes (the caller discards
+        them). Nothing is ever written outside the regions."""
 
     @abstractmethod
     def remove(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
         """OK if removed, NOT_FOUND if absent."""
 
     def remove_prefix(self, prefix: str, timeout_s: float) -> tuple[Status, int]:
-        """Remove every key starting with ``prefix``; returns (status, count)."""
+        """Remove every key starting with ``prefix`` (plain text, case-sensitive,
+        matched at the start only); returns (status, count). An empty prefix is
+        INVALID and removes nothing."""
         return Status.INVALID, 0
 
     def list_keys(self, prefix: str = "", limit: int = 1000) -> Iterator[str]:
-        """Keys starting with prefix (only when capabilities.listing)."""
+        """At most ``limit`` keys starting with ``prefix`` (only when
+        capabilities.listing); nothing after close()."""
         raise NotImplementedError
 
     def stats(self) -> Mapping[str, Any]:
         """Backend-specific counters. By convention ``capacity_bytes`` (and
-        ``disk_capacity_bytes`` for a second tier), ``used_bytes``, ``objects``."""
+        ``disk_capacity_bytes`` for a second tier), ``used_bytes``, ``objects``:
+        ints >= 0, a capacity > 0 and left out when the store has no limit.
+        Answers after close() too (never raises)."""
         return {}
+
+    def quiescent(self) -> bool:
+        """True when no call of this client is still running in the background.
+
+        A backend that gives up waiting on its own library (returns TIMEOUT while
+        a native call goes on) answers False until that call has ended: the
+        engine keeps the memory such a call was given (buffers, vLLM's blocks)
+        out of use until then. Default: calls never outlive their return."""
+        return True
 
     def test_hooks(self) -> BackendTestHooks | None:
         """Fault injection for the conformance suite; None when not offered."""
         return None
 
     @abstractmethod
-    def health(self, timeout_s: float) -> Health: ...
+    def health(self, timeout_s: float) -> Health:
+        """OK only when the store can serve now; UNAVAILABLE after close() or
+        when the store is broken; TIMEOUT when it does not answer in time."""
 
     @abstractmethod
     def close(self) -> None:

@@ -2,12 +2,19 @@
 
 The built-in ``local`` backend registers itself the same way (the core's own
 entry point), so a third-party backend is a peer of ours, not a special case.
+
+Entry points are always read fresh from ``importlib.metadata``, never from
+stevedore's caches: its on-disk cache keys on file times packed as 32-bit
+floats (about two minutes apart today), and its in-process cache never
+refreshes, so a backend installed or reinstalled a moment ago would be
+reported missing or loaded from its old target.
 """
 
 from __future__ import annotations
 
 import difflib
-from importlib.metadata import entry_points
+import sys
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from pydantic import ValidationError
@@ -32,6 +39,13 @@ def installed_backends() -> dict[str, str]:
     return {ep.name: ep.value for ep in entry_points(group=GROUP)}
 
 
+class _FreshDriverManager(DriverManager):
+    """stevedore's DriverManager over the entry points installed *now*."""
+
+    def list_entry_points(self) -> list[EntryPoint]:
+        return list(entry_points(group=self.namespace))
+
+
 def load_backend_class(name: str) -> type[Backend]:
     """The class registered as ``name``.
 
@@ -43,8 +57,9 @@ def load_backend_class(name: str) -> type[Backend]:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise UnknownBackendError(
             f"unknown backend {name!r} (config key 'backend'). Installed backends: "
-            f"{', '.join(sorted(available)) or 'none'}.{hint} Third-party backends register "
-            f"under the entry-point group {GROUP!r}."
+            f"{', '.join(sorted(available)) or 'none'}.{hint} A third-party backend registers an "
+            f"entry point in the group {GROUP!r}; install its package into this Python environment "
+            f"({sys.executable} -m pip install ...), then `ascendstore backends` lists it."
         )
     failure: list[BaseException] = []
 
@@ -52,7 +67,7 @@ def load_backend_class(name: str) -> type[Backend]:
         failure.append(exc)
 
     try:
-        mgr = DriverManager(
+        mgr = _FreshDriverManager(
             namespace=GROUP,
             name=name,
             invoke_on_load=False,

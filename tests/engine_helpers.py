@@ -15,6 +15,7 @@ class MemBackend(Backend):
         self.data: dict[str, bytes] = {}
         self.calls: list[tuple[str, list[str]]] = []
         self.fail_keys: set[str] = set()
+        self.fail_puts: set[str] = set()
         self.delay_s = 0.0
         self.raise_on: set[str] = set()
         self.lock = threading.Lock()
@@ -44,8 +45,10 @@ class MemBackend(Backend):
     def put(self, keys, regions: Sequence[Sequence[Region]], timeout_s):
         self._enter("put", keys)
         for k, regs in zip(keys, regions, strict=True):
+            if k in self.fail_puts:
+                continue
             self.data[k] = b"".join(ctypes.string_at(r.addr, r.length) for r in regs)
-        return [Status.OK] * len(keys)
+        return [Status.UNAVAILABLE if k in self.fail_puts else Status.OK for k in keys]
 
     def get(self, keys, regions, timeout_s):
         self._enter("get", keys)

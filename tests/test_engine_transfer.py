@@ -169,7 +169,29 @@ def test_full_queue_drops_saves_and_never_blocks():
 
 
 def test_hung_backend_never_blocks_a_load_and_late_writes_are_bounced():
-    be = MemBackend()
+    class RegBackend(MemBackend):
+        """Needs registered memory (as Mooncake over RDMA): the landing buffers too."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.registered: list[Region] = []
+            self.unregistered: list[Region] = []
+
+        @property
+        def capabilities(self):
+            from ascendstore.contract import Capabilities
+
+            return Capabilities(needs_registration=True)
+
+        def register(self, regions):
+            self.registered.extend(regions)
+            return Status.OK
+
+        def unregister(self, regions):
+            self.unregistered.extend(regions)
+            return Status.OK
+
+    be = RegBackend()
     be.delay_s = 2.0
     be.data["k0"] = bytes([7]) * 16
     eng = TransferEngine(BackendGuard(be, 0.1, max_stuck=3))
@@ -179,13 +201,17 @@ def test_hung_backend_never_blocks_a_load_and_late_writes_are_bounced():
     t0 = time.monotonic()
     assert eng.load_now("r", ops_for(first, 1, 16)) == {0}
     assert time.monotonic() - t0 < 1.5
-    # After an overrun, gets go through a private buffer: the stuck call's late
-    # write lands there, never in the destination blocks.
+    # Every get lands in a connector-owned buffer: the stuck calls' late writes
+    # land there (each in its own retired buffer), never in the destination blocks
+    # -- the first overrun included.
     assert eng.load_now("r", ops_for(second, 1, 16)) == {0}
+    assert len(eng._retired) == 2 and len(be.registered) == 2, "each landing buffer is registered"
     time.sleep(2.3)
-    assert second.sum() == 0
+    assert first.sum() == 0 and second.sum() == 0
     be.delay_s = 0
     assert eng.load_now("r", ops_for(second, 1, 16)) == set() and second[0] == 7
+    # Recovery: once the late calls ended their buffers are freed (and unregistered).
+    assert eng._retired == [] and len(be.unregistered) == 2
     eng.shutdown(timeout_s=1)
     assert threading.active_count() < 50
 
@@ -204,4 +230,61 @@ def test_layer_saves_share_one_exists_per_step():
     assert eng.wait("save", ["r"], 5)
     assert [c[0] for c in be.calls] == ["exists", "put", "put"]
     assert be.calls[1][1] == ["k0"] and be.calls[2][1] == ["k2", "k3"]
+    eng.shutdown()
+
+
+def test_layerwise_chunk_with_a_failed_layer_is_removed_whole():
+    """A chunk whose layer 1 failed to save is never a hit (lookups need every
+    layer): the layers this step did store are removed, not left as dead weight."""
+    from ascendstore.engine import SharedExists
+
+    be = MemBackend()
+    eng = TransferEngine(BackendGuard(be, 1.0))
+    src = torch.arange(64, dtype=torch.uint8)
+    layer_ops = [
+        [ChunkOp(f"L{layer}-c{i}", [Region(src.data_ptr() + i * 16, 16)], [i], i, layer) for i in range(2)]
+        for layer in range(2)
+    ]
+    be.fail_puts.add("L1-c1")  # chunk 1 loses its second layer
+    shared = SharedExists([op.key for ops in layer_ops for op in ops], num_layers=2)
+    for layer, ops in enumerate(layer_ops):
+        eng.submit_save("r", ops, layer=layer, shared_exists=shared)
+    assert eng.wait("save", ["r"], 5)
+    deadline = time.monotonic() + 5
+    while "L0-c1" in be.data and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "L0-c0" in be.data and "L1-c0" in be.data, "the whole chunk 0 stays"
+    assert "L0-c1" not in be.data and "L1-c1" not in be.data, "chunk 1 is gone whole"
+    assert eng.metrics.totals()["save_partial_removed"] == 1
+    eng.shutdown()
+
+
+def test_layerwise_batches_capped_in_bytes_and_blocks():
+    ops = [ChunkOp(f"k{i}", [Region(0, 100)], [i, i + 10], i) for i in range(5)]
+    assert [len(b) for b in batches(ops, 250)] == [2, 2, 1]
+    assert [len(b) for b in batches(ops, 0, 4)] == [2, 2, 1]  # two blocks per op
+    assert [len(b) for b in batches(ops, 1000, 2)] == [1, 1, 1, 1, 1]
+
+
+def test_layerwise_loader_runs_at_most_prefetch_layers_ahead():
+    """layerwise_prefetch_layers: layer i is fetched only once the forward pass
+    waited for layer i - prefetch (bounded by the step's deadline)."""
+    be = MemBackend()
+    dst = torch.zeros(64, dtype=torch.uint8)
+    _KEEP.append(dst)
+    for layer in range(4):
+        be.data[f"L{layer}"] = bytes([layer + 1]) * 16
+    eng = TransferEngine(BackendGuard(be, 2.0), prefetch_layers=1)
+    eng.new_step()
+    deadline = time.monotonic() + 5
+    for layer in range(4):
+        op = ChunkOp(f"L{layer}", [Region(dst.data_ptr() + 16 * layer, 16)], [layer], 0, layer)
+        eng.submit_load("r", [op], layer=layer, deadline=deadline)
+    time.sleep(0.5)
+    fetched = [k for op, keys in be.calls if op == "get" for k in keys]
+    # Before the forward pass reaches layer 0 only layer 0 is fetched.
+    assert fetched == ["L0"], f"the loader ran ahead of the forward pass: {fetched}"
+    for layer in range(4):
+        assert eng.wait_layer(layer) == set()
+    assert dst.view(4, 16)[:, 0].tolist() == [1, 2, 3, 4]
     eng.shutdown()

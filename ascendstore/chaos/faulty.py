@@ -7,6 +7,7 @@
       seed: 7
       delay_s: {get: 0.3}                 # a slow store that honours timeouts
       hang_s: {put: 5}                    # a wedged client that ignores them
+      late_garbage: false                 # a hung get scribbles over its regions when it wakes
       fail_rate: {get: 0.2}               # per key: report fail_status instead
       fail_status: UNAVAILABLE
       raise_rate: {exists: 0.01}          # per call: raise (a buggy client)
@@ -21,7 +22,11 @@ What is injected where, and why it is faithful:
     ``timeout_s``; a delay at or over it answers TIMEOUT, as a slow store that
     keeps the contract would.
   * ``hang_s`` sleeps regardless of ``timeout_s``: the contract is broken and the
-    core's guard must cut the call off.
+    core's guard must cut the call off. A hung put reads its regions only when
+    it wakes (whatever they hold *then* is stored); with ``late_garbage`` a hung
+    get, once awake, overwrites its regions with a wrong pattern (0xA5) after the
+    real read. Both do the wrong thing late, so a test sees it if the engine
+    gave the memory back too early.
   * ``corrupt_rate`` damages the object *in the wrapped store* through its own
     test hook, so the store's integrity checks (``detects_corruption``) are what
     is exercised; ``flip_rate`` damages the bytes after a successful read, which
@@ -38,6 +43,7 @@ Faults change at run time through :meth:`FaultyBackend.set_faults` (in-process;
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import random
@@ -88,6 +94,7 @@ class FaultyOptions(BackendOptions):
     corrupt_rate: Rate = Field(0.0, ge=0, le=1, description="share of stored objects damaged in the store")
     flip_rate: Rate = Field(0.0, ge=0, le=1, description="share of loaded objects with a byte flipped after get")
     quota_bytes: ByteSize = Field(0, description="puts beyond this many bytes report NO_SPACE; 0: off")
+    late_garbage: Bool = Field(False, description="a hung get writes a wrong pattern over its regions when it wakes")
     down: Bool = Field(False, description="every call reports UNAVAILABLE")
     control_file: str | None = Field(None, description="JSON overrides of these faults, re-read on change")
 
@@ -118,6 +125,8 @@ class InjectedFault(RuntimeError):
 
 class FaultyBackend(Backend):
     Options = FaultyOptions
+    #: a test tool: `ascendstore backends` marks it, the guide lists it as one.
+    test_tool = True
 
     def __init__(self, inner: Backend, options: FaultyOptions, ctx: BackendContext) -> None:
         self.inner = inner
@@ -233,6 +242,8 @@ class FaultyBackend(Backend):
         self, op: str, keys: Sequence[str], regions: Sequence[Sequence[Region]] | None, timeout_s: float
     ) -> list[Status]:
         n = len(keys)
+        # Decided when the call starts: faults may be switched off while it hangs.
+        garbage = op == "get" and self.options.late_garbage and bool(self.options.hang_s.get("get", 0.0))
         early, left = self._enter(op, n, timeout_s)
         if early is not None:
             return early
@@ -255,6 +266,12 @@ class FaultyBackend(Backend):
             self._after_put(keys, regions, idx, out)
         elif op == "get":
             self._after_get(regions, idx, out)
+            if garbage:
+                assert regions is not None
+                self.injected["late_garbage"] += 1
+                for i in idx:
+                    for r in regions[i]:
+                        ctypes.memset(r.addr, 0xA5, r.length)
         elif op == "remove":
             self._forget([keys[i] for i in idx if out[i] is Status.OK])
         return out
@@ -314,7 +331,8 @@ class FaultyBackend(Backend):
     # -- the contract -------------------------------------------------------------------
     @property
     def capabilities(self) -> Capabilities:
-        return self.inner.capabilities
+        # It may be told to hang at any time: never let the engine trust it with vLLM's blocks.
+        return dataclasses.replace(self.inner.capabilities, bounded_calls=False)
 
     def register(self, regions: Sequence[Region]) -> Status:
         return self.inner.register(regions)

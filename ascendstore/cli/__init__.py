@@ -50,21 +50,28 @@ def backends() -> None:
     from ascendstore.registry import installed_backends, load_backend_class
 
     t = Table(title="installed backends (entry-point group ascendstore.backends)")
-    for col in ("name", "entry point", "imports", "declared capabilities"):
+    for col in ("name", "kind", "entry point", "imports", "declared capabilities"):
         t.add_column(col)
     problems = []
     for name, target in sorted(installed_backends().items()):
         try:
             cls = load_backend_class(name)
         except Exception as exc:
-            t.add_row(name, target, "[red]no[/]", "")
+            t.add_row(name, "?", target, "[red]no[/]", "")
             problems.append(f"{name}: {exc}")
             continue
+        kind = "[yellow]test tool[/] (fault injection, not for serving)" if cls.test_tool else "storage"
         caps = [k for k, v in _declared_caps(cls).items() if v]
-        t.add_row(name, target, "[green]yes[/]", ", ".join(caps) or "(known once opened)")
+        t.add_row(name, kind, target, "[green]yes[/]", ", ".join(caps) or "(known once opened)")
     console.print(t)
     for p in problems:
         console.print(f"[red]{p}[/]", highlight=False)
+    if problems:
+        console.print(
+            "A backend that does not import is installed but broken: reinstall it, or its missing "
+            "dependency, into this Python environment.",
+            highlight=False,
+        )
 
 
 def _declared_caps(cls: type) -> dict[str, bool]:
@@ -139,10 +146,50 @@ def doctor(
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def conformance(
     ctx: typer.Context,
-    backend_name: Annotated[str, typer.Argument(metavar="BACKEND", help="installed backend to test")],
-    backend_config: BackendConfigOpt = None,
+    backend_name: Annotated[
+        str, typer.Argument(metavar="BACKEND", help="installed backend to test (entry-point name, or module:Class)")
+    ],
+    backend_config: Annotated[
+        str | None,
+        typer.Option(
+            "--backend-config",
+            metavar="JSON",
+            help="backend_config as a JSON object (or @file.json); '{tmp}' and '{unique}' in string values "
+            "become a fresh directory and token per test",
+        ),
+    ] = None,
+    backend_small_config: Annotated[
+        str | None,
+        typer.Option(
+            "--backend-small-config",
+            metavar="JSON",
+            help="backend_config of a store of a few MiB, for the capacity-full test (skipped without it)",
+        ),
+    ] = None,
+    backend_timeout: Annotated[
+        float | None,
+        typer.Option("--backend-timeout", metavar="SECONDS", help="timeout_s passed to every backend call (default 5)"),
+    ] = None,
+    backend_timeout_margin: Annotated[
+        float | None,
+        typer.Option(
+            "--backend-timeout-margin",
+            metavar="SECONDS",
+            help="how far past its timeout_s a call may return before it fails (default 0.5)",
+        ),
+    ] = None,
+    backend_max_test_bytes: Annotated[
+        int | None,
+        typer.Option(
+            "--backend-max-test-bytes",
+            metavar="BYTES",
+            help="largest object the suite writes; the maximum-size test is capped here (default 32 MiB)",
+        ),
+    ] = None,
 ) -> None:
-    """Run the backend conformance suite against BACKEND (extra args go to pytest)."""
+    """Run the backend conformance suite against BACKEND. Takes the options of the
+    pytest form (`pytest --pyargs ascendstore_conformance --backend BACKEND ...`);
+    other arguments go to pytest."""
     try:
         suite = importlib.import_module("ascendstore_conformance")
     except ImportError as exc:
@@ -156,7 +203,15 @@ def conformance(
         opts = _json_arg(backend_config, "--backend-config") if backend_config else {}
     except ConfigError as exc:
         raise fail(str(exc), EXIT_USAGE) from None
-    raise typer.Exit(int(run(backend_name, opts, list(ctx.args))))
+    # The plugin parses and checks these itself, exactly as in the pytest form.
+    given = {
+        "--backend-small-config": backend_small_config,
+        "--backend-timeout": backend_timeout,
+        "--backend-timeout-margin": backend_timeout_margin,
+        "--backend-max-test-bytes": backend_max_test_bytes,
+    }
+    args = [a for flag, v in given.items() if v is not None for a in (flag, str(v))]
+    raise typer.Exit(int(run(backend_name, opts, [*args, *ctx.args])))
 
 
 @app.command()

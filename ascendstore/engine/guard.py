@@ -1,4 +1,4 @@
-"""A deadline around every backend call.
+"""A deadline around every backend call, and who owns memory after it.
 
 The backend contract asks each call to return within ``timeout_s``, but a
 buggy or wedged client may not. The guard runs calls on its own small thread
@@ -6,6 +6,15 @@ pool and stops waiting at the deadline: the caller gets TIMEOUT for those keys
 and carries on (recompute). A call that never returns keeps its thread; once
 ``max_stuck`` threads are stuck the guard answers UNAVAILABLE at once instead
 of piling up more threads, so nothing in the engine ever waits forever.
+
+A call the guard stopped waiting for may still read or write the memory it was
+given, and so may a backend's own library call it gave up waiting for
+(``detaches_calls``, ``quiescent()``). ``hold_for`` tells the caller until when
+that memory is not its own: the transfer engine keeps such buffers (and, for
+puts, vLLM's blocks) out of use until the call has really ended. Backends that
+declare ``bounded_calls`` return by themselves within their timeout: they run
+on the caller's thread and are never abandoned; if they also never detach a
+call (``direct``), their calls may use vLLM's blocks directly.
 """
 
 from __future__ import annotations
@@ -13,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -36,6 +45,11 @@ class PendingCall:
     timeout: float
     ready: list[Status] | None
     deadline: float = 0.0
+    #: the guard stopped waiting; the call may still be running.
+    overran: bool = False
+
+#: a predicate that turns True once memory lent to a call is the caller's again.
+Release = Callable[[], bool]
 
 
 _STATUS_BY_VALUE: dict[int, Status] = {int(st): st for st in Status}
@@ -59,9 +73,11 @@ class BackendGuard:
         # One spare thread per possible stuck call plus the working ones.
         self._pool = ThreadPoolExecutor(max_workers=max_stuck + 4, thread_name_prefix=name)
         self._closed = False
-        #: set once a call overran its deadline: the backend breaks its contract and
-        #: a stuck call may still write later (the transfer engine then bounces gets).
-        self.overran = False
+        caps = backend.capabilities
+        #: the backend returns by itself in time: call it on the caller's thread, never abandon it.
+        self.inline = bool(caps.bounded_calls)
+        #: ... and is done with a call's memory when it returns: it may use vLLM's blocks.
+        self.direct = self.inline and not caps.detaches_calls
 
     @property
     def capabilities(self):
@@ -76,7 +92,20 @@ class BackendGuard:
             self._stuck -= 1
 
     def _call(self, op: str, n: int, args: tuple[Any, ...], timeout_s: float | None) -> list[Status]:
-        return self.result(self._submit(op, n, args, timeout_s))
+        if not self.inline or n == 0:
+            return self.result(self._submit(op, n, args, timeout_s))
+        # No thread hop: a lone small save or lookup costs one call, not two hand-offs.
+        if self._closed:
+            self.metrics.add(unavailable=n)
+            return [Status.UNAVAILABLE] * n
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            result = getattr(self.backend, op)(*args, timeout)
+        except Exception:
+            log.exception("backend %s of %d keys raised; reporting UNAVAILABLE", op, n)
+            self.metrics.add(unavailable=n)
+            return [Status.UNAVAILABLE] * n
+        return self._check(op, result, n)
 
     def _submit(self, op: str, n: int, args: tuple[Any, ...], timeout_s: float | None) -> PendingCall:
         timeout = self.timeout_s if timeout_s is None else timeout_s
@@ -95,11 +124,12 @@ class BackendGuard:
             return call.ready or []
         op, n, fut = call.op, call.n, call.fut
         try:
-            result = fut.result(timeout=max(0.0, call.deadline - time.monotonic()))
+            # A bounded backend returns by itself: wait for it (never abandon its memory).
+            result = fut.result(timeout=None if self.inline else max(0.0, call.deadline - time.monotonic()))
         except FutureTimeout:
+            call.overran = True
             with self._lock:
                 self._stuck += 1
-                self.overran = True
             fut.add_done_callback(self._unstuck)
             log.warning("backend %s of %d keys overran %.3fs; reporting TIMEOUT", op, n, call.timeout)
             self.metrics.add(timeouts=n)
@@ -109,6 +139,19 @@ class BackendGuard:
             self.metrics.add(unavailable=n)
             return [Status.UNAVAILABLE] * n
         return self._check(op, result, n)
+
+    def hold_for(self, call: PendingCall, statuses: Sequence[Status]) -> Release | None:
+        """None when the memory lent to ``call`` is the caller's again now; else a
+        predicate that turns True once the call (and the backend's own work for
+        it) has really ended. Until then nothing else may use that memory."""
+        backend = self.backend
+        fut = call.fut
+        if call.overran and fut is not None:
+            return lambda: fut.done() and backend.quiescent()
+        if not self.direct and Status.TIMEOUT in statuses and not backend.quiescent():
+            # The backend answered in time but left a native call running.
+            return backend.quiescent
+        return None
 
     def submit_get(
         self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float | None = None

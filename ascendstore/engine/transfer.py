@@ -7,6 +7,15 @@ Loads report the device blocks that failed, so vLLM recomputes exactly those;
 saves skip objects the pool already has (one batched exists per task) and are
 written by one rank of a replica group (the caller filters with ReplicaGroup).
 Every wait here is bounded.
+
+Ownership: once vLLM has a block back, no backend call may touch it. With a
+backend that declares ``bounded_calls`` (and not ``detaches_calls``) calls are
+never abandoned, so they use vLLM's blocks directly. Otherwise loads land in connector-owned buffers
+(``HostBounce`` or the device stager's host buffers) and are copied into the
+blocks only after the call returned in time; a buffer whose call overran is
+retired until the call really ends. A put reads vLLM's blocks (or a staging
+buffer) directly; if it overruns, the request's save stays pending (vLLM keeps
+the blocks, as its delayed-free contract allows) until the put has ended.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ascendstore.contract import Region, Status
-from ascendstore.engine.guard import GRACE_S, BackendGuard, PendingCall
+from ascendstore.engine.guard import GRACE_S, BackendGuard, PendingCall, Release
 from ascendstore.engine.plan import ChunkOp, stagger
 
 log = logging.getLogger(__name__)
@@ -34,6 +43,23 @@ Hook = Callable[[], None]
 PIPELINE_BYTES = 64 << 20
 #: allowance for a load thread to hand a finished task to the forward pass.
 HANDOFF_S = 0.05
+#: landing/staging buffers that may be held by calls still running after their
+#: deadline; past this, loads fail fast (recompute) instead of allocating more.
+MAX_RETIRED_BUFFERS = 4
+#: default bytes of queued saves per rank (a step's saves are admitted whole).
+SAVE_QUEUE_BYTES = 1 << 30
+
+#: memory lent to calls still running when their engine shut down (buffers,
+#: vLLM's KV tensors), kept alive until those calls end: a late write into freed
+#: memory would corrupt the heap. Pruned whenever any engine reaps.
+_LINGER: list[tuple[object, Release]] = []
+_LINGER_LOCK = threading.Lock()
+
+
+def _prune_linger() -> None:
+    if _LINGER:
+        with _LINGER_LOCK:
+            _LINGER[:] = [(obj, r) for obj, r in _LINGER if not r()]
 
 
 class Stager(Protocol):
@@ -52,15 +78,76 @@ class Stager(Protocol):
     def commit_in(self, ops: Sequence[ChunkOp], ok: Sequence[bool]) -> None:
         """Copy the loaded ops (ok[i]) from the load buffer to their device regions."""
 
+    def detach(self, direction: str) -> tuple[object, Region | None]:
+        """A call that overran still uses the ``direction`` ("load"/"save") buffer:
+        hand it over (the caller keeps it alive until the call ends) and use a
+        fresh one from now on. Returns (old buffer, region of the new one or None
+        if it is allocated lazily)."""
+
+
+class HostBounce:
+    """Connector-owned landing buffer for loads into host KV from a backend whose
+    calls may outlive their deadline: the backend writes here, and only what
+    arrived in time is copied into vLLM's blocks (a ``Stager`` for loads only)."""
+
+    def __init__(self, capacity: int, on_alloc: Callable[[Region], None] | None = None) -> None:
+        self.capacity = capacity
+        self._buf: ctypes.Array | None = None
+        #: e.g. register the new buffer with a backend that needs registered memory.
+        self._on_alloc = on_alloc
+
+    def _buffer(self, nbytes: int) -> ctypes.Array:
+        if self._buf is None or len(self._buf) < nbytes:
+            # Allocated on first use (most deployments never bounce), grown for
+            # an object larger than the batch limit.
+            self._buf = ctypes.create_string_buffer(max(nbytes, self.capacity, 1))
+            if self._on_alloc is not None:
+                self._on_alloc(Region(ctypes.addressof(self._buf), len(self._buf)))
+        return self._buf
+
+    def region(self) -> Region | None:
+        return None if self._buf is None else Region(ctypes.addressof(self._buf), len(self._buf))
+
+    def stage_out(self, ops: Sequence[ChunkOp]) -> list[list[Region]]:
+        raise NotImplementedError("puts read vLLM's blocks directly")
+
+    def stage_in(self, ops: Sequence[ChunkOp]) -> list[list[Region]]:
+        buf = self._buffer(sum(op.nbytes for op in ops))
+        base, pos, out = ctypes.addressof(buf), 0, []
+        for op in ops:
+            out.append([Region(base + pos, op.nbytes)])
+            pos += op.nbytes
+        return out
+
+    def commit_in(self, ops: Sequence[ChunkOp], ok: Sequence[bool]) -> None:
+        assert self._buf is not None
+        pos = ctypes.addressof(self._buf)
+        memmove = ctypes.memmove
+        for op, good in zip(ops, ok, strict=True):
+            if good:
+                off = pos
+                for r in op.materialize():
+                    memmove(r.addr, off, r.length)
+                    off += r.length
+            pos += op.nbytes
+
+    def detach(self, direction: str) -> tuple[object, Region | None]:
+        old, self._buf = self._buf, None
+        return old, None
+
 
 class SharedExists:
-    """One batched exists for keys saved by several tasks (layerwise: every
-    layer's objects of a step), asked by the first task that needs it."""
+    """State shared by one step's layerwise saves: one batched exists for every
+    layer's objects (asked by the first task that needs it), and each chunk's
+    per-layer outcomes, so a chunk is never left with some layers stored."""
 
-    def __init__(self, keys: Sequence[str]) -> None:
+    def __init__(self, keys: Sequence[str], num_layers: int = 0) -> None:
         self.keys = list(keys)
+        self.num_layers = num_layers
         self._present: set[str] | None = None
         self._lock = threading.Lock()
+        #: (request, chunk index) -> [layers settled, layers failed, keys we stored]
+        self._chunks: dict[tuple[str, int], list] = {}
 
     def present(self, guard: BackendGuard) -> set[str]:
         with self._lock:
@@ -68,6 +155,26 @@ class SharedExists:
                 statuses = guard.exists(self.keys)
                 self._present = {k for k, s in zip(self.keys, statuses, strict=True) if s is Status.OK}
             return self._present
+
+    def settle(self, req_id: str, ops: Sequence[ChunkOp], landed: Sequence[bool], stored: Sequence[bool]) -> list[str]:
+        """Record one layer's outcome per chunk; returns keys to remove: the layers
+        this step stored of chunks whose other layers failed (never a hit, only
+        wasted pool space)."""
+        if not self.num_layers:
+            return []
+        drop: list[str] = []
+        with self._lock:
+            for op, ok, put in zip(ops, landed, stored, strict=True):
+                st = self._chunks.setdefault((req_id, op.chunk_index), [0, 0, []])
+                st[0] += 1
+                st[1] += not ok
+                if put:
+                    st[2].append(op.key)
+                if st[0] == self.num_layers:
+                    if st[1]:
+                        drop.extend(st[2])
+                    del self._chunks[(req_id, op.chunk_index)]
+        return drop
 
 
 @dataclass
@@ -93,6 +200,10 @@ class _Task:
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
     failed: set[int] = field(default_factory=set)
+    #: save: bytes and slots reserved in the save queue (released when it ends).
+    reserved: int = 0
+    #: save: calls that overran and may still read the blocks; done only once all are True.
+    held: list[Release] = field(default_factory=list)
 
 
 class _ByteBudget:
@@ -124,20 +235,30 @@ class _ByteBudget:
             self._cv.notify_all()
 
 
-def batches(ops: Sequence[ChunkOp], max_bytes: int) -> Iterable[list[ChunkOp]]:
-    """Split ops into batches of at most max_bytes (at least one op each)."""
-    if not max_bytes:
+def _addr(buf: object) -> int:
+    """Start address of a buffer the engine or a stager allocated."""
+    if isinstance(buf, ctypes.Array):
+        return ctypes.addressof(buf)
+    data_ptr = getattr(buf, "data_ptr", None)  # a torch tensor (pinned staging buffer)
+    return int(data_ptr()) if data_ptr is not None else 0
+
+
+def batches(ops: Sequence[ChunkOp], max_bytes: int, max_blocks: int = 0) -> Iterable[list[ChunkOp]]:
+    """Split ops into batches of at most max_bytes and max_blocks (at least one op each)."""
+    if not max_bytes and not max_blocks:
         if ops:
             yield list(ops)
         return
     cur: list[ChunkOp] = []
-    size = 0
+    size = blocks = 0
     for op in ops:
-        if cur and size + op.nbytes > max_bytes:
+        nb = len(op.block_ids)
+        if cur and ((max_bytes and size + op.nbytes > max_bytes) or (max_blocks and blocks + nb > max_blocks)):
             yield cur
-            cur, size = [], 0
+            cur, size, blocks = [], 0, 0
         cur.append(op)
         size += op.nbytes
+        blocks += nb
     if cur:
         yield cur
 
@@ -148,15 +269,24 @@ class TransferEngine:
         guard: BackendGuard,
         *,
         queue_size: int = 64,
+        save_queue_bytes: int = SAVE_QUEUE_BYTES,
         max_inflight_bytes: int = 0,
         stagger_index: int = 0,
         stagger_size: int = 1,
         stagger_delay_s: float = 0.0,
         name: str = "ascendstore",
         stager: Stager | None = None,
+        layer_batch_bytes: int = 0,
+        layer_batch_blocks: int = 0,
+        prefetch_layers: int = 0,
     ) -> None:
         self.guard = guard
         self.stager = stager
+        # Landing buffer for loads when the backend may write after its deadline
+        # and there is no device stager (host KV).
+        caps = guard.capabilities
+        self._registers = bool(caps.needs_registration or caps.zero_copy)
+        self._bounce = None if guard.direct else HostBounce(PIPELINE_BYTES, self._register)
         # One staging buffer per direction; sync loads share the load one.
         self._stage_locks = {"load": threading.Lock(), "save": threading.Lock()}
         self.metrics = guard.metrics
@@ -165,17 +295,36 @@ class TransferEngine:
         self.stagger_index = stagger_index
         self.stagger_size = stagger_size
         self.stagger_delay_s = stagger_delay_s
+        self.layer_batch_bytes = layer_batch_bytes
+        self.layer_batch_blocks = layer_batch_blocks
+        #: layerwise: layers the loader may run ahead of the forward pass (0: no limit).
+        self.prefetch_layers = prefetch_layers
+        self._forward_layer = -1
         self._budget = _ByteBudget(max_inflight_bytes)
-        self._queues = {k: queue.Queue(maxsize=queue_size) for k in ("load", "save")}
+        # Loads: unbounded (at most a step's requests x layers, and the forward
+        # pass never blocks on a full queue). Saves: admitted in slots and bytes.
+        self._queues: dict[str, queue.Queue] = {k: queue.Queue() for k in ("load", "save")}
+        self._save_slots_limit = queue_size
+        self._save_bytes_limit = save_queue_bytes
+        self._save_slots = 0
+        self._save_bytes = 0
         self._lock = threading.Lock()
+        self._layer_cv = threading.Condition(self._lock)
         self._pending: dict[str, dict[str, list[_Task]]] = {"load": defaultdict(list), "save": defaultdict(list)}
         self._loaded: dict[str, set[int]] = {}
         self._saved: set[str] = set()
         self._layer_tasks: dict[int, list[_Task]] = defaultdict(list)
+        #: saves whose put overran: finished only once those calls have ended.
+        self._held: list[_Task] = []
+        #: buffers a late call may still use, kept alive until it ends.
+        self._retired: list[tuple[object, Release]] = []
+        #: landing/staging regions registered with the backend, by buffer id.
+        self._registered: dict[int, Region] = {}
         #: first keys of recent load batches, in issue order (staggering is visible here).
         self.load_order: deque[list[str]] = deque(maxlen=64)
+        #: keys of saves now in the pool, for KV events; drained by take_landed().
+        self._landed_keys: list[str] = []
         self._stop = threading.Event()
-        self._graveyard: list[ctypes.Array] = []
         self._threads = [
             threading.Thread(target=self._run, args=(k,), name=f"{name}-{k}", daemon=True) for k in ("load", "save")
         ]
@@ -213,6 +362,9 @@ class TransferEngine:
         """Wait (bounded) for this step's loads of one layer; returns failed blocks."""
         with self._lock:
             tasks = self._layer_tasks.pop(layer, [])
+            # The forward pass reached this layer: the loader may run further ahead.
+            self._forward_layer = max(self._forward_layer, layer)
+            self._layer_cv.notify_all()
         failed: set[int] = set()
         if timeout_s is not None:
             deadline = time.monotonic() + timeout_s
@@ -230,7 +382,35 @@ class TransferEngine:
             failed.update(t.failed)
         return failed
 
+    def new_step(self) -> None:
+        """Layerwise: a new forward pass starts at layer 0."""
+        with self._lock:
+            self._forward_layer = -1
+
+    def _wait_forward(self, task: _Task) -> None:
+        """Layerwise prefetch bound: load layer i once the forward pass reached
+        layer i - prefetch_layers (bounded by the task's deadline)."""
+        if not self.prefetch_layers or task.layer is None:
+            return
+        with self._lock:
+            while task.layer - self._forward_layer > self.prefetch_layers and not task.cancelled:
+                left = self._time_left(task)
+                if left <= 0 or not self._layer_cv.wait(left):
+                    return
+
     # -- saves ------------------------------------------------------------------------
+    def admit_save(self, tasks: int, nbytes: int) -> bool:
+        """Reserve room for a step's saves of one request (all its layers at once,
+        so a chunk is never stored with some layers dropped). False: skip them."""
+        with self._lock:
+            busy = self._save_slots > 0
+            if busy and (self._save_slots + tasks > self._save_slots_limit
+                         or (self._save_bytes_limit and self._save_bytes + nbytes > self._save_bytes_limit)):
+                return False
+            self._save_slots += tasks
+            self._save_bytes += nbytes
+            return True
+
     def submit_save(
         self,
         req_id: str,
@@ -240,36 +420,47 @@ class TransferEngine:
         before: Hook | None = None,
         skip_existing: bool = True,
         shared_exists: SharedExists | None = None,
+        admitted: bool = False,
     ) -> bool:
-        """Queue a save; False if the queue was full (the save is dropped, a future miss)."""
+        """Queue a save; False if there was no room (the save is dropped, a future miss).
+
+        ``admitted``: room was reserved with ``admit_save`` (layerwise: once for all layers)."""
+        nbytes = sum(op.nbytes for op in ops)
+        if not admitted and not self.admit_save(1, nbytes):
+            self.metrics.add(save_dropped_queue_full=len(ops))
+            return False
+        # A save that cannot start within the timeout is dropped: its blocks go
+        # back to vLLM promptly instead of waiting behind a slow store.
         task = _Task("save", req_id, list(ops), layer=layer, before=before, skip_existing=skip_existing,
-                     shared_exists=shared_exists)
-        return self._enqueue(task, drop_if_full=True)
+                     shared_exists=shared_exists, deadline=time.monotonic() + self.timeout_s, reserved=nbytes)
+        self._enqueue(task)
+        return True
+
+    def take_landed(self) -> list[str]:
+        """Keys of saves that are in the pool since the last call: put OK, or
+        found there already and skipped (for BlockStored events)."""
+        with self._lock:
+            keys, self._landed_keys = self._landed_keys, []
+        return keys
+
+    def _note_landed(self, keys: Iterable[str]) -> None:
+        with self._lock:
+            self._landed_keys.extend(keys)
+            if len(self._landed_keys) > 1 << 16:
+                # Nobody drains them (events off): keep memory bounded.
+                del self._landed_keys[: 1 << 15]
 
     # -- bookkeeping ------------------------------------------------------------------
     def _task_timeout(self, tasks: Sequence[_Task]) -> float:
         # Each batch call is bounded by timeout_s; allow for every batch queued ahead.
         return self.timeout_s * (2 + sum(1 + len(t.ops) // 64 for t in tasks)) + self.stagger_delay_s
 
-    def _enqueue(self, task: _Task, drop_if_full: bool = False) -> bool:
+    def _enqueue(self, task: _Task) -> None:
         with self._lock:
             self._pending[task.kind][task.req_id].append(task)
         q = self._queues[task.kind]
-        try:
-            if drop_if_full:
-                q.put_nowait(task)
-            else:
-                q.put(task, timeout=self.timeout_s)
-        except queue.Full:
-            if task.kind == "save":
-                self.metrics.add(save_dropped_queue_full=len(task.ops))
-            else:
-                self.metrics.add(load_failures=len(task.ops))
-                task.failed.update(b for op in task.ops for b in op.block_ids)
-            self._finish(task)
-            return False
+        q.put(task)
         self.metrics.peak(queue_depth_max=q.qsize())
-        return True
 
     def _finish(self, task: _Task) -> None:
         with self._lock:
@@ -280,17 +471,70 @@ class TransferEngine:
                 self._loaded.setdefault(task.req_id, set()).update(task.failed)
                 if not lst:
                     self._pending["load"].pop(task.req_id, None)
-            elif not lst:
-                self._pending["save"].pop(task.req_id, None)
-                self._saved.add(task.req_id)
+            else:
+                self._save_slots -= 1
+                self._save_bytes -= task.reserved
+                if not lst:
+                    self._pending["save"].pop(task.req_id, None)
+                    self._saved.add(task.req_id)
         task.done.set()
 
+    def _end_save(self, task: _Task) -> None:
+        """A save is over for vLLM only when no call may still read its blocks."""
+        if task.held and not all(r() for r in task.held):
+            self.metrics.add(save_held_late=1)
+            log.warning("a put of %s overran its deadline; its blocks stay held until it ends", task.req_id)
+            with self._lock:
+                self._held.append(task)
+            return
+        self._finish(task)
+
+    def _reap(self) -> None:
+        """Finish held saves and free retired buffers whose late calls have ended."""
+        _prune_linger()
+        if not self._held and not self._retired:
+            return
+        with self._lock:
+            done = [t for t in self._held if all(r() for r in t.held)]
+            self._held = [t for t in self._held if t not in done]
+            freed = [b for b, r in self._retired if r()]
+            self._retired = [(b, r) for b, r in self._retired if not r()]
+        for b in freed:
+            region = self._registered.pop(_addr(b), None)
+            if region is not None:
+                self.guard.backend.unregister([region])
+        for t in done:
+            log.info("late put of %s ended; its blocks go back to vLLM", t.req_id)
+            self._finish(t)
+
+    def _register(self, region: Region) -> None:
+        """Landing and staging buffers the engine allocates are registered like
+        vLLM's KV when the backend reads or writes registered memory (RDMA)."""
+        if self._registers:
+            self.guard.register([region])
+            self._registered[region.addr] = region
+
+    def _retire(self, stager: Stager, direction: str, release: Release) -> None:
+        old, region = stager.detach(direction)
+        with self._lock:
+            self._retired.append((old, release))
+        self.metrics.add(load_buffers_retired=1)
+        if region is not None:
+            self._register(region)
+
+    def _landing_full(self) -> bool:
+        self._reap()
+        with self._lock:
+            return len(self._retired) >= MAX_RETIRED_BUFFERS
+
     def pending(self, kind: str, req_id: str) -> bool:
+        self._reap()
         with self._lock:
             return bool(self._pending[kind].get(req_id))
 
     def take_results(self) -> TransferResult:
         """Requests whose loads all finished (with failed blocks) and whose saves all finished."""
+        self._reap()
         with self._lock:
             loaded = {r: f for r, f in self._loaded.items() if not self._pending["load"].get(r)}
             for r in loaded:
@@ -344,7 +588,9 @@ class TransferEngine:
                 log.exception("%s task for %s failed", kind, task.req_id)
                 if kind == "load":
                     task.failed.update(b for op in task.ops for b in op.block_ids)
-                self._finish(task)
+                    self._finish(task)
+                else:
+                    self._end_save(task)
 
     def _execute(self, task: _Task) -> None:
         if task.cancelled:
@@ -354,34 +600,41 @@ class TransferEngine:
             return
         if task.kind == "load":
             self._do_load(task)
+            self._finish(task)
         else:
             self._do_save(task)
-        self._finish(task)
+            self._end_save(task)
 
     def _time_left(self, task: _Task) -> float:
-        """Seconds the task's next backend call may take: the timeout, capped by the step's deadline."""
+        """Seconds the task's next backend call may take: the timeout, capped by the task's deadline."""
         if task.deadline is None:
             return self.timeout_s
         return min(self.timeout_s, task.deadline - time.monotonic())
 
-    def _pipelined(self) -> bool:
-        # Host staging and the bounce path copy around each call: keep them simple.
-        return self.stager is None and not self.guard.overran
+    def _load_stager(self) -> Stager | None:
+        """Where gets land: vLLM's blocks (None), the device stager, or the bounce buffer."""
+        return self.stager or self._bounce
 
-    def _batch_limit(self, pipelined: bool = False) -> int:
-        limits = [x for x in (self.max_inflight_bytes, self.stager.capacity if self.stager else 0,
+    def _batch_limit(self, task: _Task, pipelined: bool, stager: Stager | None) -> tuple[int, int]:
+        limits = [x for x in (self.max_inflight_bytes, stager.capacity if stager else 0,
                               PIPELINE_BYTES if pipelined else 0) if x]
-        return min(limits) if limits else 0
+        if task.layer is not None and self.layer_batch_bytes:
+            limits.append(self.layer_batch_bytes)
+        return (min(limits) if limits else 0), (self.layer_batch_blocks if task.layer is not None else 0)
 
     def _do_load(self, task: _Task) -> None:
+        self._wait_forward(task)
         ops = stagger(task.ops, self.stagger_index, self.stagger_size)
         if ops:
             self.load_order.append([op.key for op in ops])
         if self.stagger_delay_s and self.stagger_index:
             time.sleep(max(0.0, min(self.stagger_delay_s * self.stagger_index, self._time_left(task))))
-        pipelined = self._pipelined()
+        stager = self._load_stager()
+        # Straight into vLLM's blocks only with a backend that never outlives its calls.
+        pipelined = stager is None
         pending: tuple[list[ChunkOp], int, PendingCall, float] | None = None
-        for batch in batches(ops, self._batch_limit(pipelined)):
+        max_bytes, max_blocks = self._batch_limit(task, pipelined, stager)
+        for batch in batches(ops, max_bytes, max_blocks):
             # Build this batch's regions while the previous batch is being copied.
             regions = [op.materialize() for op in batch]
             if pending is not None:
@@ -389,7 +642,7 @@ class TransferEngine:
                 pending = None
             nbytes = sum(op.nbytes for op in batch)
             left = self._time_left(task)
-            if left <= 0 or not self._budget.acquire(nbytes, left):
+            if task.cancelled or left <= 0 or not self._budget.acquire(nbytes, left):
                 # The step's time is spent: fail fast (recompute) instead of waiting again.
                 self._load_done(task, batch, [Status.TIMEOUT] * len(batch), 0.0)
                 continue
@@ -403,21 +656,36 @@ class TransferEngine:
                 pending = (batch, nbytes, self.guard.submit_get([op.key for op in batch], regions, left), t0)
                 continue
             try:
-                if self.stager is None:
-                    statuses = self._get(batch, regions, self._time_left(task))
-                elif self._stage_locks["load"].acquire(timeout=max(0.0, self._time_left(task))):
-                    try:
-                        statuses = self._get(batch, self.stager.stage_in(batch), self._time_left(task))
-                        self.stager.commit_in(batch, [st is Status.OK for st in statuses])
-                    finally:
-                        self._stage_locks["load"].release()
-                else:
-                    statuses = [Status.TIMEOUT] * len(batch)
+                statuses = self._staged_get(task, batch, stager)  # type: ignore[arg-type]
             finally:
                 self._budget.release(nbytes)
             self._load_done(task, batch, statuses, time.perf_counter() - t0)
         if pending is not None:
             self._collect_load(task, *pending)
+
+    def _staged_get(self, task: _Task, batch: list[ChunkOp], stager: Stager) -> list[Status]:
+        """Get into connector-owned memory, then copy what arrived in time."""
+        timeout = [Status.TIMEOUT] * len(batch)
+        if self._landing_full():
+            return timeout  # every spare buffer is held by a stuck call: recompute
+        lock = self._stage_locks["load"]
+        if not lock.acquire(timeout=max(0.0, self._time_left(task))):
+            return timeout
+        try:
+            left = self._time_left(task)
+            if left <= 0:
+                return timeout
+            call = self.guard.submit_get([op.key for op in batch], stager.stage_in(batch), left)
+            statuses = self.guard.result(call)
+            release = self.guard.hold_for(call, statuses)
+            # Objects that arrived whole are safe to copy even if another key's
+            # native call goes on writing its own part of the buffer.
+            stager.commit_in(batch, [st is Status.OK for st in statuses])
+            if release is not None:
+                self._retire(stager, "load", release)
+            return statuses
+        finally:
+            lock.release()
 
     def _collect_load(self, task: _Task, batch: list[ChunkOp], nbytes: int, call: PendingCall, t0: float) -> None:
         try:
@@ -450,40 +718,32 @@ class TransferEngine:
         # Off the load path: a synchronous step must not wait for the repair.
         self.guard.submit_remove(keys)
 
-    def _get(self, batch: list[ChunkOp], regions: list[list[Region]], timeout_s: float | None = None) -> list[Status]:
-        keys = [op.key for op in batch]
-        if timeout_s is not None and timeout_s <= 0:
-            return [Status.TIMEOUT] * len(batch)
-        if not self.guard.overran:
-            return self.guard.get(keys, regions, timeout_s)
-        # The backend has overrun a deadline before: a call we stop waiting for
-        # could still write later, into KV blocks vLLM may have reused. Read into
-        # a private buffer and copy only what arrived in time; a buffer a stuck
-        # call may still write is kept alive until the guard has no stuck calls.
-        buf = ctypes.create_string_buffer(max(1, sum(op.nbytes for op in batch)))
-        base = ctypes.addressof(buf)
-        bounce: list[list[Region]] = []
-        pos = 0
-        for op in batch:
-            bounce.append([Region(base + pos, op.nbytes)])
-            pos += op.nbytes
-        statuses = self.guard.get(keys, bounce, timeout_s)
-        if any(s is Status.TIMEOUT for s in statuses) and self.guard.stuck_calls:
-            self._graveyard.append(buf)
-        elif not self.guard.stuck_calls:
-            self._graveyard.clear()
-        for dst, s, (src,) in zip(regions, statuses, bounce, strict=True):
-            if s is Status.OK:
-                off = src.addr
-                for r in dst:
-                    ctypes.memmove(r.addr, off, r.length)
-                    off += r.length
-        return statuses
+    def _late(self, task: _Task) -> bool:
+        if task.deadline is not None and time.monotonic() > task.deadline:
+            return True
+        return False
 
     def _do_save(self, task: _Task) -> None:
         if task.before is not None:
             task.before()
         ops = task.ops
+        landed: dict[int, bool] = {}  # id(op) -> in the pool after this task
+        stored: set[int] = set()  # id(op) put by this task
+        try:
+            self._save_ops(task, ops, landed, stored)
+        finally:
+            if task.shared_exists is not None and task.layer is not None:
+                drop = task.shared_exists.settle(task.req_id, ops, [landed.get(id(op), False) for op in ops],
+                                                 [id(op) in stored for op in ops])
+                if drop:
+                    self.metrics.add(save_partial_removed=len(drop))
+                    self.guard.submit_remove(drop)
+
+    def _save_ops(self, task: _Task, ops: list[ChunkOp], landed: dict[int, bool], stored: set[int]) -> None:
+        if self._late(task):
+            # Waited in the queue past the timeout: give the blocks back now.
+            self.metrics.add(save_dropped_late=len(ops))
+            return
         if task.skip_existing and ops:
             if task.shared_exists is not None:
                 present = task.shared_exists.present(self.guard)
@@ -492,13 +752,20 @@ class TransferEngine:
                 exists = self.guard.exists([op.key for op in ops])
                 keep = [op for op, s in zip(ops, exists, strict=True) if s is not Status.OK]
             self.metrics.add(save_skipped_existing=len(ops) - len(keep))
+            kept = {id(op) for op in keep}
+            existing = [op for op in ops if id(op) not in kept]
+            landed.update((id(op), True) for op in existing)
+            if existing:
+                self._note_landed(op.key for op in existing)
             ops = keep
-        pipelined = self._pipelined()
+        stager = self.stager
+        pipelined = stager is None
         pending: tuple[list[ChunkOp], int, PendingCall, float] | None = None
-        for batch in batches(ops, self._batch_limit(pipelined)):
+        max_bytes, max_blocks = self._batch_limit(task, pipelined, stager)
+        for batch in batches(ops, max_bytes, max_blocks):
             regions = [op.materialize() for op in batch]
             if pending is not None:
-                self._collect_save(*pending)
+                self._collect_save(task, *pending, landed, stored)
                 pending = None
             nbytes = sum(op.nbytes for op in batch)
             if not self._budget.acquire(nbytes, self.timeout_s):
@@ -510,26 +777,37 @@ class TransferEngine:
                 pending = (batch, nbytes, self.guard.submit_put(keys, regions), t0)
                 continue
             try:
-                if self.stager is None:
-                    statuses = self.guard.put(keys, regions)
-                else:
-                    with self._stage_locks["save"]:
-                        statuses = self.guard.put(keys, self.stager.stage_out(batch))
+                with self._stage_locks["save"]:
+                    call = self.guard.submit_put(keys, stager.stage_out(batch))  # type: ignore[union-attr]
+                    statuses = self.guard.result(call)
+                    release = self.guard.hold_for(call, statuses)
+                    if release is not None:
+                        # The late put reads the staging buffer, not vLLM's blocks.
+                        self._retire(stager, "save", release)  # type: ignore[arg-type]
             finally:
                 self._budget.release(nbytes)
-            self._save_done(batch, statuses, time.perf_counter() - t0)
+            self._save_done(batch, statuses, time.perf_counter() - t0, landed, stored)
         if pending is not None:
-            self._collect_save(*pending)
+            self._collect_save(task, *pending, landed, stored)
 
-    def _collect_save(self, batch: list[ChunkOp], nbytes: int, call: PendingCall, t0: float) -> None:
+    def _collect_save(self, task: _Task, batch: list[ChunkOp], nbytes: int, call: PendingCall, t0: float,
+                      landed: dict[int, bool], stored: set[int]) -> None:
         try:
             statuses = self.guard.result(call)
+            release = self.guard.hold_for(call, statuses)
+            if release is not None:
+                # The put may still be reading vLLM's blocks: they stay held.
+                task.held.append(release)
         finally:
             self._budget.release(nbytes)
-        self._save_done(batch, statuses, time.perf_counter() - t0)
+        self._save_done(batch, statuses, time.perf_counter() - t0, landed, stored)
 
-    def _save_done(self, batch: list[ChunkOp], statuses: list[Status], dt: float) -> None:
+    def _save_done(self, batch: list[ChunkOp], statuses: list[Status], dt: float,
+                   landed: dict[int, bool], stored: set[int]) -> None:
         good = [op for op, s in zip(batch, statuses, strict=True) if s is Status.OK]
+        for op in good:
+            landed[id(op)] = True
+            stored.add(id(op))
         no_space = sum(s is Status.NO_SPACE for s in statuses)
         self.metrics.add(
             save_ops=len(good),
@@ -538,9 +816,14 @@ class TransferEngine:
             save_failures=len(batch) - len(good) - no_space,
             save_no_space=no_space,
         )
+        if good:
+            self._note_landed(op.key for op in good)
 
-    def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Finish queued saves (bounded), then stop the threads."""
+    def shutdown(self, timeout_s: float = 5.0, keepalive: object = None) -> None:
+        """Finish queued saves (bounded), then stop the threads.
+
+        ``keepalive`` (e.g. vLLM's KV tensors) outlives this engine while a late
+        put may still read it; retired buffers likewise."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             reqs = list(self._pending["save"])
@@ -548,3 +831,15 @@ class TransferEngine:
         self._stop.set()
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        self._reap()
+        with self._lock:
+            lingering = list(self._retired)
+            releases = [r for t in self._held for r in t.held]
+            self._retired, self._held = [], []
+        if releases:
+            lingering.append((keepalive, lambda: all(r() for r in releases)))
+        if lingering:
+            log.warning("%d backend call(s) still running at shutdown; their memory is kept until they end",
+                        len(lingering))
+            with _LINGER_LOCK:
+                _LINGER.extend(lingering)

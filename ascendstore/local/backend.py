@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -41,12 +42,20 @@ def _close_open_pools() -> None:
 class LocalHooks:
     """Fault injection for tests and the conformance suite (never used in serving)."""
 
-    def __init__(self, pool: _shmpool.Pool) -> None:
+    def __init__(self, pool: _shmpool.Pool, backend: LocalBackend | None = None) -> None:
         self._pool = pool
+        self._backend = backend
 
     def delay(self, seconds: float) -> None:
-        """Every later data call of this client acts as if the store took ``seconds``."""
+        """Every later call of this client acts as if the store took ``seconds``
+        (the C core delays data calls; remove_prefix and health wait here)."""
         self._pool.debug_delay(seconds)
+        if self._backend is not None:
+            self._backend._hook_delay_s = max(0.0, seconds)
+
+    def break_store(self) -> None:
+        """Destroy the pool under every process, as if its shared memory were gone."""
+        self._pool.close(True)
 
     def corrupt(self, key: str, offset: int = 0) -> bool:
         """Flip a stored byte of ``key`` (in DRAM or on disk); False if absent."""
@@ -96,6 +105,8 @@ class LocalBackend(Backend):
             listing=True,
             scheduler_client=True,
             empty_objects=True,
+            # In-process C calls whose lock waits honour the deadline: never abandoned.
+            bounded_calls=True,
             max_key_bytes=_shmpool.MAX_KEY_BYTES,
             max_object_bytes=options.pages * options.page_size,
         )
@@ -152,6 +163,11 @@ class LocalBackend(Backend):
         return self._pool.remove(keys, timeout_s)
 
     def remove_prefix(self, prefix: str, timeout_s: float) -> tuple[Status, int]:
+        if (slow := self._hook_wait(timeout_s)) is not None:
+            return slow, 0
+        if not prefix:  # would empty the pool of every tenant: refused (a closed client says so first)
+            status, _ = self._pool.scan("", False, 0, timeout_s)
+            return (Status.INVALID if status is Status.OK else status), 0
         return self._pool.scan(prefix, True, -1, timeout_s)
 
     def list_keys(self, prefix: str = "", limit: int = 1000) -> Iterator[str]:
@@ -163,11 +179,22 @@ class LocalBackend(Backend):
         return stats if status is Status.OK else {"status": status.name}
 
     def health(self, timeout_s: float) -> Health:
+        if (slow := self._hook_wait(timeout_s)) is not None:
+            return Health(slow)
         status, stats = self._pool.stats(timeout_s)
         return Health(status, stats)
 
+    #: test hook delay for the calls the C core does not delay (LocalHooks.delay)
+    _hook_delay_s = 0.0
+
+    def _hook_wait(self, timeout_s: float) -> Status | None:
+        if not self._hook_delay_s:
+            return None
+        time.sleep(max(0.0, min(self._hook_delay_s, timeout_s)))
+        return Status.TIMEOUT if self._hook_delay_s >= timeout_s else None
+
     def test_hooks(self) -> LocalHooks:
-        return LocalHooks(self._pool)
+        return LocalHooks(self._pool, self)
 
     def close(self) -> None:
         """Detach; the last process to close (with unlink_on_last_close) frees the pool."""

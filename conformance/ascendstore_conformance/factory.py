@@ -17,6 +17,7 @@ from typing import Any
 
 from ascendstore.contract import Backend, BackendContext
 from ascendstore.registry import create_backend, load_backend_class, parse_options
+from ascendstore_conformance.harness import TIMEOUT_MARGIN_S
 
 #: Placeholders substituted in string config values, per test, so every test
 #: gets a private store (its own directory, shared-memory name, namespace...).
@@ -60,6 +61,8 @@ class BackendFactory:
     small_config: Mapping[str, Any] | None = None
     #: timeout_s the suite passes to every call.
     timeout_s: float = 5.0
+    #: how far past its timeout_s a call may return before the suite fails it.
+    timeout_margin_s: float = TIMEOUT_MARGIN_S
     #: largest object the suite writes (the maximum-size test is capped here).
     max_test_bytes: int = 32 << 20
     #: identifies the store of one test (BackendContext.instance_id).

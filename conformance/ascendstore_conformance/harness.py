@@ -25,6 +25,12 @@ UNTOUCHED = 0x5A
 #: a call must return within its timeout_s; the suite fails it (instead of
 #: hanging) once it overruns by this much.
 OVERRUN_GRACE_S = 10.0
+#: how far past its timeout_s a call may return (waking up from a sleep on a
+#: busy machine); every call that takes a timeout_s is checked against it when
+#: it returns, timed on the thread that makes the call.
+TIMEOUT_MARGIN_S = 0.5
+#: the calls that take a timeout_s (its last argument).
+TIMED_CALLS = frozenset({"exists", "put", "get", "remove", "remove_prefix", "health"})
 
 
 class Buffer:
@@ -94,16 +100,35 @@ class CallOverrun(AssertionError):
     pass
 
 
+def check_bound(what: str, took: float, timeout_s: float, margin_s: float) -> None:
+    """Fail a call that returned later than its timeout_s (plus the margin)."""
+    if took > timeout_s + margin_s:
+        raise CallOverrun(
+            f"{what} returned {took:.3f} s after being called with timeout_s={timeout_s}: over its "
+            f"timeout by {took - timeout_s:.3f} s (margin {margin_s} s); every call must return "
+            "within its timeout_s, reporting TIMEOUT if the store is slow"
+        )
+
+
 def guarded(what: str, timeout_s: float, fn: Callable[[], Any]) -> Any:
     """Run a backend call on a helper thread so a hung backend fails the test
     instead of hanging the suite (the contract bounds every call in time)."""
+    return guarded_timed(what, timeout_s, fn)[0]
+
+
+def guarded_timed(what: str, timeout_s: float, fn: Callable[[], Any]) -> tuple[Any, float]:
+    """``guarded``, and how long ``fn`` ran (timed on its own thread, so the
+    hand-off between threads is not counted)."""
     box: dict[str, Any] = {}
 
     def target() -> None:
+        start = time.monotonic()
         try:
             box["value"] = fn()
         except BaseException as exc:  # re-raised in the caller
             box["error"] = exc
+        finally:
+            box["took"] = time.monotonic() - start
 
     t = threading.Thread(target=target, name=f"conformance-{what}", daemon=True)
     start = time.monotonic()
@@ -116,15 +141,18 @@ def guarded(what: str, timeout_s: float, fn: Callable[[], Any]) -> Any:
         )
     if "error" in box:
         raise box["error"]
-    return box["value"]
+    return box["value"], box["took"]
 
 
 class Harness:
     """One open client plus the memory and key names of one test."""
 
-    def __init__(self, backend: Backend, timeout_s: float, name: str) -> None:
+    def __init__(
+        self, backend: Backend, timeout_s: float, name: str, margin_s: float = TIMEOUT_MARGIN_S
+    ) -> None:
         self.backend = backend
         self.timeout_s = timeout_s
+        self.margin_s = margin_s
         self.name = name
         self.caps: Capabilities = backend.capabilities
         # Keys of this test share a prefix so tests never see each other's
@@ -158,9 +186,21 @@ class Harness:
 
     # -- guarded calls ---------------------------------------------------
     def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """``backend.method(*args)`` under the watchdog. For a call that takes a
+        timeout_s (its last argument), also checks it returned within it."""
         fn = getattr(self.backend, method)
         t = self.timeout_s if timeout_s is None else timeout_s
-        return guarded(f"{self.name}.{method}()", t, lambda: fn(*args))
+        what = f"{self.name}.{method}()"
+        result, took = guarded_timed(what, t, lambda: fn(*args))
+        if method in TIMED_CALLS and args and isinstance(args[-1], int | float):
+            check_bound(what, took, float(args[-1]), self.margin_s)
+        return result
+
+    def timed(self, method: str, *args: Any, timeout_s: float) -> tuple[Any, float]:
+        """``backend.method(*args, timeout_s)`` and how long it took (bound checked)."""
+        start = time.monotonic()
+        result = self.call(method, *args, timeout_s, timeout_s=timeout_s)
+        return result, time.monotonic() - start
 
     def statuses(
         self, method: str, keys: Sequence[str], *args: Any, timeout_s: float | None = None

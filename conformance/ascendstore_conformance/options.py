@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ascendstore_conformance.factory import BackendFactory, parse_json_option
+from ascendstore_conformance.harness import TIMEOUT_MARGIN_S
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -37,6 +38,14 @@ def add_options(parser: pytest.Parser) -> None:
         help="timeout_s passed to every backend call (default 5)",
     )
     group.addoption(
+        "--backend-timeout-margin",
+        dest="ascendstore_backend_timeout_margin",
+        type=float,
+        default=TIMEOUT_MARGIN_S,
+        metavar="SECONDS",
+        help=f"how far past its timeout_s a call may return before it fails (default {TIMEOUT_MARGIN_S})",
+    )
+    group.addoption(
         "--backend-max-test-bytes",
         dest="ascendstore_backend_max_test_bytes",
         type=int,
@@ -62,5 +71,6 @@ def factory_from_options(config: pytest.Config) -> BackendFactory | None:
         config=backend_config or {},
         small_config=small,
         timeout_s=config.getoption("ascendstore_backend_timeout"),
+        timeout_margin_s=config.getoption("ascendstore_backend_timeout_margin"),
         max_test_bytes=config.getoption("ascendstore_backend_max_test_bytes"),
     )

@@ -11,8 +11,10 @@ import pytest
 
 def run(backend: str, config: Mapping[str, Any], extra_pytest_args: Sequence[str] = ()) -> int:
     """Run the suite against the backend registered as ``backend`` with
-    ``config`` as its backend_config; returns pytest's exit code."""
+    ``config`` as its backend_config; returns pytest's exit code. Skipped tests
+    are listed with their reasons (``-rs``; a later ``-r`` replaces it)."""
     args = [
+        "-rs",
         "-p",
         "ascendstore_conformance.plugin",
         "--pyargs",

@@ -61,8 +61,6 @@ class AscendStoreConnector(KVConnectorBase_V1):
             from ascendstore_vllm.worker import AscendStoreWorker
 
             self.worker = AscendStoreWorker(self.ctx)
-            if self.kv_events:
-                self.worker.watch_landed_saves()
         # GR mode (gr.enabled): requests carrying a uid are the user store's alone;
         # every other request uses the chunk pool.
         # It shares this role's guarded client (one connection per process).

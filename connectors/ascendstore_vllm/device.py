@@ -167,6 +167,17 @@ class HostStaging:
         if any(ok):
             self._copies(ops, self.load_buf, to_host=False, ok=ok)
 
+    def detach(self, direction: str) -> tuple[object, Region | None]:
+        """A call that overran still uses one buffer: give it to the engine to keep
+        alive until the call ends, and carry on with a fresh pinned one."""
+        if direction == "load":
+            old, self.load_buf = self.load_buf, _pinned(self.capacity)
+            new = self.load_buf
+        else:
+            old, self.save_buf = self.save_buf, _pinned(self.capacity)
+            new = self.save_buf
+        return old, Region(new.data_ptr(), new.numel())
+
 
 class _null:
     def __enter__(self) -> None:

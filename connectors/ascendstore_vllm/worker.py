@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
@@ -38,8 +36,6 @@ _new = object.__new__
 _set = object.__setattr__
 
 
-#: keys of submitted saves awaiting their result (KV events); oldest dropped beyond
-MAX_AWAITED_KEYS = 1 << 16
 #: bound on cached region lists (a few MB at most; cleared whole when full)
 REGION_CACHE_ENTRIES = 1 << 16
 
@@ -99,6 +95,10 @@ class AscendStoreWorker:
         self.engine = TransferEngine(
             self.guard,
             queue_size=cfg.transfer_queue_size,
+            save_queue_bytes=cfg.save_queue_bytes,
+            layer_batch_bytes=cfg.layerwise_max_transfer_bytes,
+            layer_batch_blocks=cfg.layerwise_max_transfer_blocks,
+            prefetch_layers=cfg.layerwise_prefetch_layers,
             max_inflight_bytes=cfg.max_inflight_bytes,
             stagger_index=idx,
             stagger_size=size,
@@ -107,6 +107,7 @@ class AscendStoreWorker:
         )
         self.keys = ctx.key_builder()
         self.layout: KVLayout | None = None
+        self._kv_caches: dict[str, torch.Tensor] | None = None
         self.staging: HostStaging | None = None
         self.sync: DeviceSync | None = None
         self._scratch: torch.Tensor | None = None
@@ -120,12 +121,12 @@ class AscendStoreWorker:
         self._load_errors: set[int] = set()
         self._delayed: set[str] = set()
         self._step_exists: tuple[AscendStoreMetadata, SharedExists] | None = None
+        #: layerwise: requests whose saves of this step were admitted (all layers at once).
+        self._step_admitted: tuple[AscendStoreMetadata | None, dict[str, bool]] = (None, {})
+        if cfg.use_layerwise and "layerwise_num_shared_buffers" in cfg.model_fields_set:
+            log.warning("layerwise_num_shared_buffers is accepted for vllm-ascend compatibility and ignored: "
+                        "device KV goes through one staging buffer per direction (staging_buffer_bytes)")
         self._server: LookupServer | None = None
-        self._landed: list[str] = []
-        #: key -> saves of it submitted and not yet found in the pool
-        self._awaiting: OrderedDict[str, int] = OrderedDict()
-        self._landed_lock = threading.Lock()
-        self._events_on = False
         if ctx.tp_rank == 0 and ctx.pp_rank == 0 and cfg.lookup_mode in ("auto", "rpc"):
             try:
                 self._server = LookupServer(
@@ -139,6 +140,7 @@ class AscendStoreWorker:
     # -- registration ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = list(kv_caches.values())
+        self._kv_caches = kv_caches  # kept alive past shutdown while a late put may read them
         device = tensors[0].device
         caps = self.guard.capabilities
         self.sync = DeviceSync(device)
@@ -247,22 +249,28 @@ class AscendStoreWorker:
         # its layers): a slow or hung store costs a step one timeout, not one per
         # request or per layer. Async loads do not hold the step up: their own.
         deadline = time.monotonic() + self.ctx.config.timeout_ms / 1000
-        for spec in meta.loads:
-            if layerwise:
-                for layer in range(self.layout.num_layers):
+        if layerwise:
+            # Layer-major: layer 0 of every request first, so the forward pass's
+            # wait for a layer never queues behind later layers of other requests.
+            self.engine.new_step()
+            for layer in range(self.layout.num_layers):
+                for spec in meta.loads:
                     self.engine.submit_load(spec.req_id, self._ops(spec, layer), layer=layer,
                                             after=self._after_load(spec), deadline=deadline)
-            elif spec.is_async:
+            return
+        for spec in meta.loads:
+            if spec.is_async:
                 self._async_loads.add(spec.req_id)
-                self.engine.submit_load(spec.req_id, self._ops(spec, None), after=self._after_load(spec))
+                # Its own deadline from now: a load queued behind slow ones fails
+                # fast (recompute) instead of holding its request's blocks longer.
+                self.engine.submit_load(spec.req_id, self._ops(spec, None), after=self._after_load(spec),
+                                        deadline=time.monotonic() + self.ctx.config.timeout_ms / 1000)
             else:
                 failed = self.engine.load_now(spec.req_id, self._ops(spec, None), after=self._after_load(spec),
                                               deadline=deadline)
                 self._load_errors |= failed
-        if not layerwise:
-            # Sync loads are done; async ones are collected by get_finished.
-            res = self.engine.take_results()
-            self._collect(res)
+        # Sync loads are done; async ones are collected by get_finished.
+        self._collect(self.engine.take_results())
 
     def _after_load(self, spec: LoadSpec) -> Callable | None:
         return None  # extension point (e.g. per-request load callbacks)
@@ -286,13 +294,31 @@ class AscendStoreWorker:
             # One batched exists per step for every layer's objects (asked on the saver thread).
             keys = [self.keys.key(s.tenant, c.chunk_hash, lay) for s in self._meta.saves for c in s.chunks
                     if self.ctx.replicas.writes(c.index) for lay in range(self.layout.num_layers)]
-            self._step_exists = (self._meta, SharedExists(keys))
-            self._await_saves(keys)  # every layer's, before the shared exists can run
+            self._step_exists = (self._meta, SharedExists(keys, self.layout.num_layers))
         shared = self._step_exists[1]
         for spec in self._meta.saves:
             ops = self._ops(spec, i, writer_only=True)
-            if ops:
-                self.engine.submit_save(spec.req_id, ops, layer=i, before=before, shared_exists=shared)
+            if ops and self._admit_layers(spec, len(ops)):
+                self.engine.submit_save(spec.req_id, ops, layer=i, before=before, shared_exists=shared,
+                                        admitted=True)
+
+    def _admit_layers(self, spec: SaveSpec, nchunks: int) -> bool:
+        """Admit a request's saves of this step for every layer at once: a chunk is
+        stored whole or not at all (a chunk missing a layer is never a hit)."""
+        meta, admitted = self._step_admitted
+        if meta is not self._meta:
+            admitted = {}
+            self._step_admitted = (self._meta, admitted)
+        ok = admitted.get(spec.req_id)
+        if ok is None:
+            assert self.layout is not None
+            # Exactly what the per-layer tasks will hold (each releases its own share).
+            nblocks = sum(len(c.block_ids) for c in spec.chunks if self.ctx.replicas.writes(c.index))
+            ok = self.engine.admit_save(self.layout.num_layers, nblocks * self._chunk_bytes)
+            if not ok:
+                self.metrics.add(save_dropped_queue_full=nchunks * self.layout.num_layers)
+            admitted[spec.req_id] = ok
+        return ok
 
     def wait_for_save(self) -> None:
         meta = self._meta
@@ -307,7 +333,6 @@ class AscendStoreWorker:
             if skipped:
                 self.metrics.add(save_skipped_not_writer=skipped)
             if ops:
-                self._await_saves([op.key for op in ops])
                 self.engine.submit_save(spec.req_id, ops, before=before)
 
     def _ready_hook(self) -> Callable[[], None] | None:
@@ -332,59 +357,11 @@ class AscendStoreWorker:
         self._delayed -= sent
         return (sent or None), (recv or None)
 
-    # -- KV events: which saved objects are in the pool (ascendstore_vllm.events) ---------
-    # Clearly separate from the data path: two wrappers observe results the transfer
-    # engine already gets, and only for keys of saves this worker submitted.
-    def watch_landed_saves(self) -> None:
-        """Note the keys of submitted saves that are in the pool afterwards: the
-        put returned OK (the engine's per-batch save completion, which alone knows
-        each key's status), or the engine's exists found the object already there
-        (skipped as existing; its other objects may have been evicted and re-put)."""
-        self._events_on = True
-        inner_done = self.engine._save_done
-
-        def save_done(batch, statuses, dt):
-            inner_done(batch, statuses, dt)
-            self._note_present([op.key for op, st in zip(batch, statuses, strict=True) if st is Status.OK])
-
-        self.engine._save_done = save_done
-        inner_exists = self.guard.exists
-
-        def exists(keys, timeout_s=None):
-            statuses = inner_exists(keys, timeout_s)
-            self._note_present([k for k, st in zip(keys, statuses, strict=True) if st is Status.OK])
-            return statuses
-
-        self.guard.exists = exists
-
-    def _await_saves(self, keys: list[str]) -> None:
-        """Keys of saves about to be submitted (events on)."""
-        if not self._events_on:
-            return
-        with self._landed_lock:
-            for k in keys:
-                self._awaiting[k] = self._awaiting.get(k, 0) + 1
-            while len(self._awaiting) > MAX_AWAITED_KEYS:
-                self._awaiting.popitem(last=False)  # a save long dropped
-
-    def _note_present(self, keys: list[str]) -> None:
-        if not keys:
-            return
-        with self._landed_lock:
-            for k in keys:
-                # One note per submitted save (its exists found it, or its put stored it).
-                n = self._awaiting.pop(k, 0)
-                if n:
-                    self._landed.append(k)
-                    if n > 1:
-                        self._awaiting[k] = n - 1
-
+    # -- KV events (ascendstore_vllm.events) --------------------------------------------
     def take_landed(self) -> set[str]:
-        """Keys of this worker's saves found in the pool since the last call (sent
-        back in the step's worker meta)."""
-        with self._landed_lock:
-            landed, self._landed = self._landed, []
-        return set(landed)
+        """Keys of this worker's saves now in the pool (put OK, or found there and
+        skipped) since the last call: sent back in the step's worker meta."""
+        return set(self.engine.take_landed())
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -393,9 +370,10 @@ class AscendStoreWorker:
     def clear(self) -> None:
         self._meta = None
         self._step_exists = None
+        self._step_admitted = (None, {})
 
     def shutdown(self) -> None:
         if self._server is not None:
             self._server.close()
-        self.engine.shutdown(timeout_s=self.ctx.config.timeout_ms / 1000)
+        self.engine.shutdown(timeout_s=self.ctx.config.timeout_ms / 1000, keepalive=self._kv_caches)
         self.guard.close()

@@ -115,6 +115,9 @@ class _StandinHooks:
     def corrupt(self, key: str) -> bool:
         return bool(self._store.corrupt(key))
 
+    def break_store(self) -> None:
+        self._store.break_meta()  # the meta service dies
+
 
 class MemcacheBackend(GvaFlow, Backend):
     Options: ClassVar[type[BackendOptions]] = MemcacheOptions
@@ -282,9 +285,17 @@ class MemcacheBackend(GvaFlow, Backend):
             needs_registration=False,
             scheduler_client=True,
             empty_objects=False,
+            # Native calls run under the backend's own deadline (it returns in
+            # time) but may go on after a timeout: see quiescent().
+            bounded_calls=True,
+            detaches_calls=True,
             max_key_bytes=MAX_KEY_BYTES,
             max_object_bytes=1 << 30,
         )
+
+    def quiescent(self) -> bool:
+        # A native call we stopped waiting for may still read or write its buffers.
+        return self._calls.inflight == 0
 
     def stats(self) -> Mapping[str, Any]:
         out: dict[str, Any] = {

@@ -155,6 +155,7 @@ class StandinObjectStore:
         self._leases: dict[str, float] = {}  # key -> expiry (this client's read leases)
         self._allocated: set[str] = set()  # keys this client allocated and not yet finished
         self._delay_s = 0.0
+        self._meta_down = False  # test hook break_meta: the meta service is gone
         #: (method, direction) of the latest data calls, for tests of the adapter
         self.calls: deque[tuple[str, int]] = deque(maxlen=256)
 
@@ -184,6 +185,12 @@ class StandinObjectStore:
     def set_delay(self, seconds: float) -> None:
         """Test hook: every later data call takes ``seconds`` longer."""
         self._delay_s = max(0.0, float(seconds))
+
+    def break_meta(self) -> None:
+        """Test hook: the meta service died. Every later call of this client fails
+        as the real one does: LINK_NOT_FOUND at once [measured for batch_is_exist;
+        stand-in for the others: GVA 0 from batch_alloc, no key infos]."""
+        self._meta_down = True
 
     def corrupt(self, key: str) -> bool:
         """Test hook: flip the first byte of ``key``'s stored value."""
@@ -254,6 +261,8 @@ class StandinObjectStore:
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
         if not self._ready:
             return [Mmc.CLIENT_NOT_INIT] * len(keys)  # [measured]
+        if self._meta_down:
+            return [Mmc.LINK_NOT_FOUND] * len(keys)  # [measured]
         if not keys:
             return []  # [measured]
         self._slow()
@@ -275,7 +284,7 @@ class StandinObjectStore:
         return infos[0] if infos else KeyInfo()
 
     def batch_get_key_info(self, keys: Sequence[str], flag: int = 1) -> list[KeyInfo]:
-        if not self._ready or not keys:
+        if not self._ready or not keys or self._meta_down:
             return []  # [measured] (uninitialised client)
         self._slow()
         out = []
@@ -363,6 +372,8 @@ class StandinObjectStore:
         n = len(keys)
         if not self._ready:
             return []  # the real layer asserts on the missing client and returns [] [measured]
+        if self._meta_down:
+            return [Mmc.LINK_NOT_FOUND] * n  # [stand-in]
         bad = [Mmc.INVALID_PARAM] * n
         if direct not in allowed or len(ptrs) != n or len(sizes) != n:
             return bad
@@ -384,6 +395,8 @@ class StandinObjectStore:
     def remove_batch(self, keys: Sequence[str]) -> list[int]:
         if not self._ready:
             return [Mmc.CLIENT_NOT_INIT] * len(keys)  # [measured]
+        if self._meta_down:
+            return [Mmc.LINK_NOT_FOUND] * len(keys)  # [stand-in]
         self._slow()
         out = []
         now = time.time()
@@ -415,7 +428,7 @@ class StandinObjectStore:
         media: int = MEDIA_DRAM,
         leaseTtlMs: int = 0,
     ) -> list[int]:
-        if not self._ready or len(keys) != len(sizes):
+        if not self._ready or len(keys) != len(sizes) or self._meta_down:
             return [0] * len(keys)  # failure is GVA 0 [measured]
         self._slow()
         out = []
@@ -473,6 +486,8 @@ class StandinObjectStore:
     def _copy(self, spans: list[tuple[int, Sequence[int], Sequence[int]]], direct: int) -> int:
         if direct not in _WRITE_DIRS + _READ_DIRS:
             return Mmc.INVALID_PARAM
+        if self._meta_down:
+            return Mmc.LINK_NOT_FOUND  # [stand-in]
         self.calls.append(("batch_copy", direct))
         if any(gva < GVA_BASE for gva, _, _ in spans):
             return Mmc.INVALID_PARAM  # GVA 0 [measured]

@@ -202,6 +202,10 @@ class MooncakeBackend(Backend):
             needs_registration=opts.protocol != "tcp",
             scheduler_client=True,
             empty_objects=False,
+            # Native calls run under the backend's own deadline (it returns in
+            # time) but may go on after a timeout: see quiescent().
+            bounded_calls=True,
+            detaches_calls=True,
             max_key_bytes=4096,
             # An object must fit in one segment's free space: promise half of ours.
             max_object_bytes=(self._segment // 2) or (1 << 30),
@@ -420,7 +424,7 @@ class MooncakeBackend(Backend):
         return _filled(out, Status.UNAVAILABLE)
 
     def remove_prefix(self, prefix: str, timeout_s: float) -> tuple[Status, int]:
-        if not prefix.isascii():
+        if not prefix or not prefix.isascii():  # "" would empty the whole cluster: refused
             return Status.INVALID, 0
         with self._cache_lock:
             for k in [k for k in self._exists_cache if k.startswith(prefix)]:
@@ -440,7 +444,12 @@ class MooncakeBackend(Backend):
             "protocol": self.options.protocol,
             "segment_bytes": self._segment,
         }
-        outcome, code = self._guard.call(lambda: self._store.health_check(), timeout_s)
+        def probe() -> int:
+            if self._delay_s:
+                time.sleep(self._delay_s)  # test hook: a slow store
+            return self._store.health_check()
+
+        outcome, code = self._guard.call(probe, timeout_s)
         if outcome is Outcome.CLOSED:
             return Health(Status.UNAVAILABLE, {**detail, "reason": "closed"})
         if outcome is Outcome.TIMEOUT:
@@ -454,6 +463,10 @@ class MooncakeBackend(Backend):
                 code = 2
         detail["mooncake_health"] = _HEALTH_CODES.get(code, str(code))
         return Health(Status.OK if code == 0 else Status.UNAVAILABLE, detail)
+
+    def quiescent(self) -> bool:
+        # A native call we stopped waiting for may still read or write its buffers.
+        return self._guard.inflight == 0
 
     def stats(self) -> Mapping[str, Any]:
         return {
@@ -501,7 +514,9 @@ class MooncakeBackend(Backend):
 
 
 class _Hooks:
-    """Conformance fault injection: a slow store (data calls sleep on the native threads)."""
+    """Conformance fault injection: a slow store (data calls, remove_prefix and
+    health sleep on the native threads). No break_store: the master is another
+    process (tests/mooncake kill it for real)."""
 
     def __init__(self, backend: MooncakeBackend) -> None:
         self._backend = backend

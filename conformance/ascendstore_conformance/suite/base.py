@@ -56,7 +56,7 @@ class ConformanceFixtures:
                 bound_factory.timeout_s,
                 lambda: bound_factory.open(small=small, rank=rank),
             )
-            h = Harness(backend, bound_factory.timeout_s, bound_factory.name)
+            h = Harness(backend, bound_factory.timeout_s, bound_factory.name, bound_factory.timeout_margin_s)
             opened.append(h)
             return h
 

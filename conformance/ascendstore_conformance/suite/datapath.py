@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pytest
 
 from ascendstore.contract import BackendOptions, Capabilities, Health, Status
@@ -24,6 +26,21 @@ class DeclarationTests:
         assert isinstance(health, Health) and health.status is OK, f"health() of a fresh client: {health!r}"
         assert hasattr(harness.call("stats"), "keys"), "stats() must return a mapping"
 
+    def test_stats_follow_the_conventions(self, harness: Harness) -> None:
+        harness.put_ok({harness.key("st"): b"stats"})
+        stats = harness.call("stats")
+        assert isinstance(stats, Mapping), f"stats() returned {stats!r}, not a mapping"
+        cap = stats.get("capacity_bytes")
+        assert cap is None or (isinstance(cap, int) and cap > 0), (
+            f"stats()['capacity_bytes'] is {cap!r}: a store with a limit reports it in bytes (> 0); a store "
+            "without one leaves the key out (0 would read as a store that holds nothing)"
+        )
+        for name in ("disk_capacity_bytes", "used_bytes", "objects"):
+            value = stats.get(name)
+            assert value is None or (isinstance(value, int) and value >= 0), (
+                f"stats()[{name!r}] is {value!r}: expected an int >= 0 (or the key left out)"
+            )
+
     def test_unknown_option_is_rejected_by_name(self, bound_factory: BackendFactory) -> None:
         cls = bound_factory.backend_class()
         assert issubclass(cls.Options, BackendOptions), "Options must subclass BackendOptions"
@@ -44,6 +61,27 @@ class AbsentKeyTests:
                 f"get({k!r}) of an absent key wrote into the region"
             )
         assert harness.remove(keys) == [NOT_FOUND] * 3
+
+    def test_batches_answer_in_request_order(self, harness: Harness) -> None:
+        # Present and absent keys interleaved, in an order that is not sorted (nor
+        # reverse sorted): a backend answering in key order gets the statuses wrong.
+        names = ["m-in", "c-out", "z-in", "a-out", "q-in", "b-out", "k-in"]
+        keys = harness.keys(*names)
+        assert keys not in (sorted(keys), sorted(keys, reverse=True))
+        present = {k: pattern(k, 200 + 10 * i) for i, k in enumerate(keys) if k.endswith("in")}
+        harness.put_ok(present)
+        want = [OK if k in present else NOT_FOUND for k in keys]
+        assert harness.exists(keys) == want, (
+            f"exists() of keys in the order {names} returned {harness.exists(keys)!r}, expected {want!r}: "
+            "statuses must follow the order of the request"
+        )
+        statuses, bufs = harness.get(keys, [len(present.get(k, b"-" * 50)) for k in keys])
+        assert statuses == want, f"get() of keys in the order {names} returned {statuses!r}, expected {want!r}"
+        for k, b in zip(keys, bufs, strict=True):
+            if k in present:
+                assert_same(b.read(), present[k], k)
+        got = harness.remove(keys)
+        assert got == want, f"remove() of keys in the order {names} returned {got!r}, expected {want!r}"
 
     def test_empty_batches(self, harness: Harness) -> None:
         assert harness.exists([]) == []
@@ -121,6 +159,10 @@ class PutGetTests:
         for size in (4999, 5001, 1):
             statuses, (buf,) = harness.get([key], [size])
             assert statuses == [INVALID], f"get of a 5000-byte object into {size} bytes returned {statuses!r}"
+            assert buf.read() == bytes([UNTOUCHED]) * size, (
+                f"get of a 5000-byte object into {size} bytes returned INVALID but wrote into the region: a "
+                "get that is INVALID (or NOT_FOUND for an absent key) leaves its regions untouched"
+            )
         harness.assert_reads({key: data})  # the object is unharmed
 
     def test_odd_sizes_and_alignments(self, harness: Harness) -> None:

@@ -3,12 +3,44 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 
 from ascendstore.contract import Health, Status
-from ascendstore_conformance.harness import UNTOUCHED, Harness, assert_same, pattern
+from ascendstore_conformance.harness import UNTOUCHED, Harness, assert_same, guarded, pattern
 from ascendstore_conformance.suite.base import OpenClient, require
 
-OK, NOT_FOUND, UNAVAILABLE = Status.OK, Status.NOT_FOUND, Status.UNAVAILABLE
+OK, NOT_FOUND, UNAVAILABLE, INVALID = Status.OK, Status.NOT_FOUND, Status.UNAVAILABLE, Status.INVALID
+#: characters that mean something to a pattern language (regex, SQL LIKE, glob)
+#: a store's native prefix call may use; tried where key_extra_chars allows them.
+PATTERN_CHARS = ".+=_%*?["
+
+
+def prefix_problems(h: Harness, group: str, inside: list[str], outside: list[str]) -> list[str]:
+    """Put ``inside`` and ``outside`` (key names), list and remove by the
+    prefix ``h.key(group)``: what went wrong, as readable lines."""
+    prefix = h.key(group)
+    ins, outs = h.keys(*inside), h.keys(*outside)
+    assert all(k.startswith(prefix) for k in ins) and not any(k.startswith(prefix) for k in outs)
+    items = {k: pattern(k, 64) for k in ins + outs}
+    h.put_ok(items)
+    problems = []
+    if h.caps.listing:
+        listed = sorted(guarded("list_keys()", h.timeout_s, lambda: list(h.backend.list_keys(prefix, 1000))))
+        if listed != sorted(ins):
+            problems.append(f"list_keys({prefix!r}) returned {listed}, expected {sorted(ins)}")
+    result = h.call("remove_prefix", prefix, h.timeout_s)
+    if result != (OK, len(ins)):
+        problems.append(f"remove_prefix({prefix!r}) returned {result!r}, expected (OK, {len(ins)})")
+    survived = [k for k, s in zip(ins, h.exists(ins), strict=True) if s is not NOT_FOUND]
+    if survived:
+        problems.append(f"remove_prefix({prefix!r}) left keys that start with it: {survived}")
+    wrongly = [k for k, s in zip(outs, h.exists(outs), strict=True) if s is not OK]
+    if wrongly:
+        problems.append(
+            f"remove_prefix({prefix!r}) removed keys that do not start with it: {wrongly} (the prefix is "
+            "plain text matched at the start of the key, case-sensitive, never a pattern)"
+        )
+    return problems
 
 
 class RemoveTests:
@@ -53,6 +85,44 @@ class RemoveTests:
         again = harness.call("remove_prefix", harness.key(group), harness.timeout_s)
         assert again == (OK, 0), f"remove_prefix with nothing left returned {again!r}"
 
+    def test_remove_prefix_matches_only_at_the_start(self, harness: Harness) -> None:
+        require(harness, "remove_by_prefix")
+        h = harness
+        # Keys that hold the whole prefix in the middle, or at their end.
+        outside = [f"mid{h.prefix}grp-a", f"mid{h.prefix}grp", "xgrp-a", "gr"]
+        problems = prefix_problems(h, "grp", ["grp-a", "grp-b", "grp"], outside)
+        assert not problems, "; ".join(problems)
+
+    def test_remove_prefix_is_plain_text(self, harness: Harness) -> None:
+        require(harness, "remove_by_prefix")
+        h = harness
+        allowed = h.caps.key_extra_chars
+        chars = [c for c in PATTERN_CHARS if c in allowed]
+        problems = []
+        for i, c in enumerate(chars):
+            # "p3g_" must not take "p3gX" (LIKE), "p3g*" not "p3g" (glob, regex), ...
+            closing = "X]" if c == "[" and "]" in allowed else ""
+            group = f"p{i}g{c}{closing}"
+            problems += prefix_problems(h, group, [f"{group}a", f"{group}{c}"], [f"p{i}gX", f"p{i}g", f"p{i}gXa"])
+        assert not problems, f"pattern characters tried: {''.join(chars)!r}; " + "; ".join(problems)
+
+    def test_remove_prefix_is_case_sensitive(self, harness: Harness) -> None:
+        require(harness, "remove_by_prefix")
+        problems = prefix_problems(harness, "caseA", ["caseAa", "caseAB"], ["casea", "caseaa", "CASEAa", "CaseAa"])
+        assert not problems, "keys differing from the prefix only in case: " + "; ".join(problems)
+
+    def test_remove_prefix_of_empty_string_is_invalid(self, harness: Harness) -> None:
+        require(harness, "remove_by_prefix")
+        h = harness
+        keys = h.keys("keep-a", "keep-b")
+        h.put_ok({k: b"kept" for k in keys})
+        result = h.call("remove_prefix", "", h.timeout_s)
+        assert result == (INVALID, 0), (
+            f"remove_prefix('') returned {result!r}; an empty prefix is INVALID and removes nothing "
+            "(it would empty a store shared by every tenant)"
+        )
+        assert h.exists(keys) == [OK, OK], "remove_prefix('') removed keys"
+
     def test_listing(self, harness: Harness) -> None:
         require(harness, "listing")
         keys = harness.keys("ls-1", "ls-2", "ls-3")
@@ -80,6 +150,13 @@ class CloseReopenTests:
         if harness.caps.remove_by_prefix:
             result = harness.call("remove_prefix", harness.prefix, harness.timeout_s)
             assert result[0] is UNAVAILABLE, f"remove_prefix() after close returned {result!r}"
+        stats = harness.call("stats")
+        assert isinstance(stats, Mapping), f"stats() after close returned {stats!r}, not a mapping"
+        if harness.caps.listing:
+            listed = guarded(
+                "list_keys() after close", harness.timeout_s, lambda: list(harness.backend.list_keys(harness.prefix))
+            )
+            assert listed == [], f"list_keys() after close returned {listed} (a closed client lists nothing)"
 
     def test_reopen_after_close(self, open_client: OpenClient) -> None:
         first = open_client()

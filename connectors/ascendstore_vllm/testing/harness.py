@@ -387,8 +387,16 @@ class EngineHarness:
         so = self.scheduler.schedule()
         self._track(so)
         before = {r: self._computed.get(r, 0) for r in so.num_scheduled_tokens}
+        marks = [len(w.read_errors) for w in self.workers]
         outs = [w.execute(so) for w in self.workers]
         out = self.aggregator.aggregate(outs) if len(outs) > 1 else outs[0]
+        bad = set(out.kv_connector_output.invalid_block_ids) if out.kv_connector_output else set()
+        if bad:
+            # vLLM discards this step's work for requests whose loaded blocks failed
+            # (they are rescheduled and recomputed): what they read was never served.
+            redo = {r for r in so.num_scheduled_tokens if bad & set(self.block_ids.get(r, ()))}
+            for w, m in zip(self.workers, marks, strict=True):
+                w.read_errors[m:] = [e for e in w.read_errors[m:] if e[0] not in redo]
         self.scheduler.update_from_output(so, out)
         # What vLLM accepted (a step hit by a load failure is discarded and rescheduled).
         done_now = []

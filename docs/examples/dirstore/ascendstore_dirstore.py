@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import errno
 import itertools
 import os
+import shutil
 import struct
 import time
 import uuid
@@ -66,18 +68,25 @@ class DirStore(Backend):
             persistent=True,
             detects_corruption=True,
             listing=True,
+            bounded_calls=True,  # every call runs in the caller's thread and ends with it
             max_key_bytes=MAX_KEY_BYTES,
             max_object_bytes=MAX_OBJECT_BYTES,
         )
 
+    def _gate(self, timeout_s: float) -> Status | None:
+        """The status of a call that cannot go ahead (closed, or slow past its timeout)."""
+        if self.closed:
+            return Status.UNAVAILABLE
+        if self.slow_s:  # test hook: behave like a slow disk, but keep to the timeout
+            time.sleep(max(0.0, min(self.slow_s, timeout_s)))
+            if self.slow_s > timeout_s:
+                return Status.TIMEOUT
+        return None
+
     def _each(self, keys: Sequence[str], timeout_s: float, op: Callable[[Path, int], Status]) -> list[Status]:
         """Apply op to each key's file; one deadline for the whole batch."""
-        if self.closed:
-            return [Status.UNAVAILABLE] * len(keys)
-        if self.slow_s:  # test hook: behave like a slow disk, but keep to the timeout
-            time.sleep(min(self.slow_s, timeout_s))
-            if self.slow_s > timeout_s:
-                return [Status.TIMEOUT] * len(keys)
+        if (early := self._gate(timeout_s)) is not None:
+            return [early] * len(keys)
         deadline = time.monotonic() + timeout_s
         out = []
         for i, key in enumerate(keys):
@@ -101,8 +110,12 @@ class DirStore(Backend):
                 return Status.NO_SPACE
             data = b"".join(ctypes.string_at(r.addr, r.length) for r in regions[i])
             tmp = self.root / ".tmp" / uuid.uuid4().hex
-            tmp.write_bytes(data + CRC.pack(zlib.crc32(data)))
-            os.replace(tmp, path)  # atomic: the whole new object appears at once
+            try:
+                tmp.write_bytes(data + CRC.pack(zlib.crc32(data)))
+                os.replace(tmp, path)  # atomic: the whole new object appears at once
+            except OSError as exc:  # a full disk is NO_SPACE; a missing directory, an outage
+                tmp.unlink(missing_ok=True)
+                return Status.NO_SPACE if exc.errno == errno.ENOSPC else Status.UNAVAILABLE
             return Status.OK
 
         return self._each(keys, timeout_s, put_one)
@@ -113,6 +126,8 @@ class DirStore(Backend):
                 blob = path.read_bytes()
             except FileNotFoundError:
                 return Status.NOT_FOUND
+            except OSError:
+                return Status.UNAVAILABLE
             data, crc = blob[: -CRC.size], blob[-CRC.size :]
             if len(crc) != CRC.size or CRC.unpack(crc)[0] != zlib.crc32(data):
                 return Status.CORRUPT
@@ -137,23 +152,50 @@ class DirStore(Backend):
         return self._each(keys, timeout_s, remove_one)
 
     def remove_prefix(self, prefix: str, timeout_s: float) -> tuple[Status, int]:
-        if self.closed:
-            return Status.UNAVAILABLE, 0
-        keys = list(self.list_keys(prefix, limit=1 << 62))
-        return Status.OK, self.remove(keys, timeout_s).count(Status.OK)
+        if (early := self._gate(timeout_s)) is not None:
+            return early, 0
+        if not prefix:  # would empty the whole store: never what a caller means
+            return Status.INVALID, 0
+        removed = 0
+        for key in self._keys(prefix):  # plain str.startswith: no pattern language
+            try:
+                (self.root / _file_name(key)).unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass  # removed meanwhile by another process
+            except OSError:
+                return Status.UNAVAILABLE, removed
+        return Status.OK, removed
+
+    def _keys(self, prefix: str) -> list[str]:
+        try:
+            keys = [_key(e.name) for e in os.scandir(self.root) if e.is_file()]
+        except OSError:
+            return []
+        return [k for k in keys if k.startswith(prefix)]
 
     def list_keys(self, prefix: str = "", limit: int = 1000) -> Iterator[str]:
-        keys = (_key(e.name) for e in os.scandir(self.root) if e.is_file())
-        return itertools.islice((k for k in keys if k.startswith(prefix)), limit)
+        return iter(()) if self.closed else itertools.islice(self._keys(prefix), limit)
 
     def _used_bytes(self) -> int:
-        return sum(e.stat().st_size for e in os.scandir(self.root) if e.is_file())
+        try:
+            return sum(e.stat().st_size for e in os.scandir(self.root) if e.is_file())
+        except OSError:
+            return 0
 
     def stats(self) -> dict[str, int]:
-        return {"capacity_bytes": self.capacity, "used_bytes": self._used_bytes()}
+        stats = {"used_bytes": self._used_bytes()}
+        if self.capacity:  # no limit: capacity_bytes left out
+            stats["capacity_bytes"] = self.capacity
+        return stats
 
     def health(self, timeout_s: float) -> Health:
-        return Health(Status.UNAVAILABLE if self.closed else Status.OK, {"root": str(self.root)})
+        detail = {"root": str(self.root)}
+        if (early := self._gate(timeout_s)) is not None:
+            return Health(early, detail)
+        if not (self.root / ".tmp").is_dir() or not os.access(self.root, os.W_OK):
+            return Health(Status.UNAVAILABLE, {**detail, "reason": "root is gone or not writable"})
+        return Health(Status.OK, detail)
 
     def close(self) -> None:
         self.closed = True
@@ -164,6 +206,9 @@ class DirStore(Backend):
 
     def delay(self, seconds: float) -> None:
         self.slow_s = seconds
+
+    def break_store(self) -> None:
+        shutil.rmtree(self.root)  # the disk is gone
 
     def corrupt(self, key: str) -> bool:
         path = self.root / _file_name(key)

@@ -1,0 +1,152 @@
+"""Ownership of vLLM's blocks under late backend calls (real vLLM 0.33 lifecycle, CPU).
+
+The rule (docs/failure-semantics.md): once vLLM has a block back (finished
+sending, load done or failed, request aborted), no backend call still running
+may read or write it. The ``faulty`` wrapper does the *wrong* thing late: a hung
+get scribbles 0xA5 over its regions when it wakes, a hung put reads its regions
+only when it wakes. If the connector handed memory back too early, a later
+request reads garbage (the harness checks every position each layer attends
+to) or a wrong object lands in the pool (a second engine loads it and checks).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from chaos_helpers import pool_name, report
+from chaos_scenarios import exact, faulty_extra, prompts, run_timed
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+from ascendstore_vllm.testing import EngineHarness, EngineSpec  # noqa: E402
+
+from ascendstore.chaos import live_backends  # noqa: E402
+
+HANG_S = 0.6
+#: what a late get scribbles (``faulty`` late_garbage): 0xA5A5 as int16; the fake
+#: model's KV is never negative, so this value in a block can only be garbage.
+GARBAGE = -23131
+TIMEOUT_MS = 100
+MODES = {"sync": {}, "async": {"load_async": True}, "layerwise": {"use_layerwise": True}}
+
+
+def _set(**changes) -> None:
+    for b in live_backends():
+        b.set_faults(**changes)
+
+
+def _serve(eng: EngineHarness, ps: list[list[int]], tag: str, **kw) -> None:
+    for i, p in enumerate(ps):
+        eng.add_request(f"{tag}{i}", p, **kw)
+    run_timed(eng)
+
+
+def _workers(eng: EngineHarness):
+    return [w.connector.worker for w in eng.workers]
+
+
+def _garbage_in_blocks(eng: EngineHarness) -> int:
+    return sum(int((t.contiguous().view(torch.int16) == GARBAGE).sum()) for w in eng.workers
+               for t in w.kv_caches.values())
+
+
+def _read_errors(eng: EngineHarness, tags: tuple[str, ...] = ()) -> list:
+    # (The harness drops reads of steps vLLM discarded for a failed load.)
+    return [e for e in eng.read_errors() if not tags or e[0].startswith(tags)]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_late_get_never_writes_vllm_blocks(mode):
+    """Loads time out, the hung gets later write garbage: vLLM's blocks never see it."""
+    name = pool_name("own-get")
+    extra = faulty_extra(name, checksum=False, timeout_ms=TIMEOUT_MS, **MODES[mode])
+    eng = EngineHarness(EngineSpec(extra_config=extra, num_blocks=96))
+    try:
+        ps = prompts(4, seed=11)
+        _serve(eng, ps, "w")
+        assert eng.scheduler.reset_prefix_cache()
+        _set(hang_s={"get": HANG_S}, late_garbage=True)
+        _serve(eng, ps, "r")  # every load overruns: recomputed
+        _set(hang_s={})
+        # Keep vLLM reusing blocks while the hung gets wake up and scribble.
+        end = time.monotonic() + HANG_S + 0.3
+        k = seen = 0
+        while time.monotonic() < end:
+            _serve(eng, prompts(3, seed=100 + k), f"x{k}-", max_tokens=4)
+            seen += _garbage_in_blocks(eng)
+            k += 1
+        time.sleep(0.1)
+        seen += _garbage_in_blocks(eng)
+        _serve(eng, ps, "z")  # the fast path is back: loads hit and are exact
+        injected = sum(b.injected["late_garbage"] for b in live_backends())
+        stats = eng.stats_total()
+        assert injected >= 1, "the fault never fired: the test proves nothing"
+        assert seen == 0, "a late get wrote into vLLM's blocks"
+        assert _read_errors(eng) == [], "a late get wrote into blocks vLLM had taken back"
+        assert all(exact(eng, f"r{i}", p) and exact(eng, f"z{i}", p) for i, p in enumerate(ps))
+        assert stats.get("lookup_hit_tokens", 0) > 0
+        for w in _workers(eng):
+            w.engine._reap()
+            assert not w.engine._retired, "a retired landing buffer was never given back"
+        report(f"ownership_late_get_{mode}", late_writes=injected, reuse_rounds=k,
+               retired=stats.get("load_buffers_retired", 0), timeouts=stats.get("timeouts", 0))
+    finally:
+        _set(hang_s={}, late_garbage=False)
+        eng.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "layerwise"])
+def test_late_put_holds_blocks_until_it_ends(mode):
+    """A put that overruns keeps its request's blocks held until it has ended; the
+    object it stores is the prefix's KV, loaded byte-exact by another engine."""
+    name = pool_name("own-put")
+    extra = faulty_extra(name, checksum=False, timeout_ms=TIMEOUT_MS, **MODES[mode])
+    a = EngineHarness(EngineSpec(extra_config=extra, num_blocks=96))
+    b = None
+    try:
+        # One writer: a second one's save would wait behind the hung put past
+        # timeout_ms and be dropped (its blocks rightly given back at once).
+        ps = prompts(1, seed=21)
+        _set(hang_s={"put": HANG_S})
+        for i, p in enumerate(ps):
+            a.add_request(f"w{i}", p)
+        t0 = time.monotonic()
+        freed_at: dict[str, float] = {}
+        # Other requests keep asking for blocks while the puts hang: if the
+        # writers' blocks came back early, these would overwrite them.
+        extra_reqs = iter(prompts(12, seed=22))
+        k = 0
+        while a.scheduler.requests and time.monotonic() - t0 < 30:
+            rec = a.step()
+            for r in rec.finished_sending:
+                freed_at.setdefault(r, time.monotonic() - t0)
+            if k < 12 and rec.finished:
+                a.add_request(f"x{k}", next(extra_reqs), max_tokens=2)
+                k += 1
+            if not rec.scheduled:
+                time.sleep(0.002)
+        _set(hang_s={})
+        assert "w0" in freed_at
+        assert freed_at["w0"] >= HANG_S * 0.9, (
+            f"blocks given back at {freed_at} s, before the hung puts ({HANG_S} s) ended")
+        assert _read_errors(a) == []
+        held = a.stats_total().get("save_held_late", 0)
+        assert held >= 1
+        b = EngineHarness(EngineSpec(extra_config=extra, num_blocks=96))
+        _serve(b, ps, "r")
+        assert b.read_errors() == [], "a late put stored bytes that were not the prefix's KV"
+        assert all(exact(b, f"r{i}", p) for i, p in enumerate(ps))
+        hit = b.stats_total().get("lookup_hit_tokens", 0)
+        if mode == "sync":
+            # (layerwise: the other layers' saves waited behind the hung put past
+            # timeout_ms and were dropped, so the chunk is not whole: a miss.)
+            assert hit > 0, "the late put's object should be in the pool"
+        report(f"ownership_late_put_{mode}", freed_after_s=freed_at, held=held, hit_tokens=hit)
+    finally:
+        _set(hang_s={})
+        if b is not None:
+            b.close()
+        a.close()
