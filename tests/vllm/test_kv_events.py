@@ -307,9 +307,10 @@ def test_no_event_work_unless_vllm_publishes(tmp_path):
     eng = EngineHarness(EngineSpec(extra_config={"backend": backend, "backend_config": bcfg}))
     try:
         assert eng.connector.scheduler.events is None
-        assert not eng.workers[0].connector.worker._events_on
+        assert not eng.workers[0].connector.kv_events
         eng.add_request("a", [(5 * i + 1) % 900 for i in range(2 * BS + 3)])
         eng.run()
         assert eng.connector.take_events() == ()
+        assert eng.workers[0].connector.build_connector_worker_meta() is None
     finally:
         eng.close()
