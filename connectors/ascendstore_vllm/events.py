@@ -1,10 +1,13 @@
 """KV events a router can trust: what the pool holds, announced when it holds it.
 
 ``BlockStored`` goes out once every object of a chunk (each rank's part, each
-layer in layerwise mode) *landed* in the pool: the workers report the keys
-their puts stored (``AscendStoreWorkerMeta``, vLLM's worker-meta path, merged
-across TP ranks by vLLM's ``KVOutputAggregator``), and the scheduler announces a
-chunk when the union covers all of its objects. Saves that are planned but
+layer in layerwise mode) *landed* in the pool: the workers report the keys of
+their saves that are in the pool afterwards — put OK, or found there and
+skipped (the transfer engine's ``take_landed``; ``AscendStoreWorkerMeta``,
+vLLM's worker-meta path, merged across TP ranks by vLLM's
+``KVOutputAggregator``) — and the scheduler announces a chunk when the union
+covers all of its objects. Events are produced only while vLLM publishes KV
+events (its ``kv_events_config``). Saves that are planned but
 dropped, fail or time out announce nothing.
 
 ``BlockRemoved`` goes out when the pool reports that an object of an announced
@@ -221,7 +224,7 @@ class KVEventLog:
             p.reqs.add(req.request_id)
 
     def landed(self, keys: Iterable[str]) -> None:
-        """Keys the workers' puts stored (status OK), from the worker meta."""
+        """Keys of the workers' saves now in the pool, from the worker meta."""
         for k in keys:
             cid = self._by_key.get(k)
             p = self._pending.get(cid) if cid is not None else None

@@ -53,8 +53,8 @@ class AscendStoreMetadata(KVConnectorMetadata):
 
 @dataclass
 class AscendStoreWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, once per step: pool keys whose puts landed (status
-    OK) since the last step. vLLM merges the ranks' metas with ``aggregate``;
+    """Worker -> scheduler, once per step: keys of this worker's saves now in the
+    pool (put OK, or found there and skipped) since the last step. vLLM merges the ranks' metas with ``aggregate``;
     the scheduler announces a chunk (KV event ``BlockStored``) once the union
     holds every object of it."""
 
