@@ -33,9 +33,11 @@ checked with ``exists`` and the absent ones are withdrawn.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -108,14 +110,28 @@ class RemovalRecord:
     def __init__(self, backend: Any, timeout_s: float) -> None:
         self.backend = backend
         self.timeout_s = timeout_s
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ascendstore-events")
+        # One daemon thread: a record read that never returns must not hold up
+        # the process's exit (a ThreadPoolExecutor's threads are joined at exit).
+        self._calls: queue.SimpleQueue[tuple[Future, int] | None] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="ascendstore-events", daemon=True).start()
         self._fut: Future | None = None
         #: reads started so far; the one in flight has number ``started``.
         self.started = 0
         self.cursor = -1
         self.lost_total = 0
+        self.failures = 0
         self._blind = False
         self.read()  # position the cursor at "now": earlier removals are not ours
+
+    def _serve(self) -> None:
+        while (item := self._calls.get()) is not None:
+            fut, cursor = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(self._call(cursor))
+            except Exception as exc:
+                fut.set_exception(exc)
 
     def _call(self, cursor: int) -> tuple[int, list[Any], int]:
         # Everything up to now: a read counts as done only once it reached the end
@@ -137,13 +153,18 @@ class RemovalRecord:
             # A cursor never positioned (the first read failed) starts at "now":
             # whatever was removed before is unknown, as if lost.
             self._blind = self.cursor < 0 and self.started > 1
-            self._fut = self._pool.submit(self._call, self.cursor)
+            self._fut = Future()
+            self._calls.put((self._fut, self.cursor))
         try:
             cursor, events, lost = self._fut.result(timeout=self.timeout_s)
         except TimeoutError:
             return None
         except Exception:
-            log.warning("reading the pool's removal record failed; checking announced chunks", exc_info=True)
+            self.failures += 1
+            # Once loudly; a record that keeps failing is re-checked every step (debug log).
+            (log.warning if self.failures == 1 else log.debug)(
+                "reading the pool's removal record failed (%d so far); checking announced chunks",
+                self.failures, exc_info=True)
             self._fut = None
             return self.started, [], 1
         finally:
@@ -156,7 +177,7 @@ class RemovalRecord:
         return n, events, lost
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._calls.put(None)
 
 
 class KVEventLog:
