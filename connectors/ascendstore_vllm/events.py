@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
@@ -57,9 +58,12 @@ log = logging.getLogger(__name__)
 #: A withdrawal names the medium the chunk was announced in, whatever tier the
 #: record says the object left (a router's entry is (block, medium)).
 STORE_MEDIUM = "CPU"
-#: announced chunks remembered for withdrawal; beyond this the oldest is
+#: vLLM medium of a tier as the removal record names it (``RemovalEvent.tier`` / ``moved_to``).
+MEDIUM_OF_TIER = {"cpu": "CPU", "dram": "CPU", "disk": "STORAGE", "ssd": "STORAGE"}
+#: announced chunks remembered for withdrawal (block hashes, parent, token ids
+#: as 8-byte ints); beyond this the oldest is
 #: withdrawn early (a router then under-counts, it is never told a lie it keeps).
-MAX_TRACKED_CHUNKS = 1 << 18
+MAX_TRACKED_CHUNKS = 1 << 17
 #: saves in flight whose landing is awaited; the oldest is forgotten beyond this.
 MAX_PENDING_CHUNKS = 1 << 16
 #: events read from the removal record per call.
@@ -92,6 +96,20 @@ class _Pending:
     reqs: set[str] = field(default_factory=set)
     #: an object of this chunk was reported removed since ``got`` began to fill.
     dirty: bool = False
+
+
+@dataclass
+class _Tracked:
+    """An announced chunk: what it takes to withdraw it, or to announce it again
+    in another medium when the pool moves it between tiers."""
+
+    block_hashes: tuple[Any, ...]
+    parent: Any
+    token_ids: array  # compact: kept for every announced chunk
+    lora_name: str | None
+    medium: str = STORE_MEDIUM
+    #: its objects now in the disk tier (one rank's part may spill before another's)
+    on_disk: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -201,10 +219,10 @@ class KVEventLog:
         self._pending: OrderedDict[ChunkId, _Pending] = OrderedDict()
         self._by_key: dict[str, ChunkId] = {}
         self._ready: list[_Ready] = []
-        #: announced chunks -> their block hashes (for withdrawal)
-        self._tracked: OrderedDict[ChunkId, tuple[Any, ...]] = OrderedDict()
-        #: announced objects covering each block hash (a tail and its full chunk share blocks)
-        self._covers: dict[Any, int] = {}
+        #: announced chunks (for withdrawal and tier moves)
+        self._tracked: OrderedDict[ChunkId, _Tracked] = OrderedDict()
+        #: announced objects covering each (block hash, medium): a tail and its full chunk share blocks
+        self._covers: dict[tuple[Any, str], int] = {}
         self._out: list[Any] = []
         self.record: RemovalRecord | None = None
         if guard is not None and has_removal_record(guard.backend):
@@ -335,8 +353,20 @@ class KVEventLog:
             for r in self._ready:
                 if r.cid == cid:
                     r.dirty = True
-            if cid in self._tracked:
-                self._withdraw(cid)
+            t = self._tracked.get(cid)
+            if t is None:
+                continue
+            moved_to = getattr(ev, "moved_to", None)
+            if moved_to is None:
+                self._withdraw(cid)  # left the pool: the chunk cannot be loaded any more
+                continue
+            # Still in the pool, in another tier (spilled to disk, promoted back):
+            # announce it under the medium it is loaded from now.
+            if MEDIUM_OF_TIER.get(str(moved_to).lower(), "CPU") == "STORAGE":
+                t.on_disk.add(key)
+            else:
+                t.on_disk.discard(key)
+            self._set_medium(cid, t, "STORAGE" if t.on_disk else STORE_MEDIUM)
         return hit
 
     def _present(self, cids: list[ChunkId]) -> set[ChunkId]:
@@ -363,52 +393,76 @@ class KVEventLog:
                 self._withdraw(cid)
 
     def _announce(self, cid: ChunkId, p: _Pending) -> None:
+        t = self._tracked.get(cid)
+        if t is not None:
+            # Announced before (a second save of it landed): it is in DRAM now.
+            self._tracked.move_to_end(cid)
+            t.on_disk.clear()
+            self._set_medium(cid, t, STORE_MEDIUM)
+            return
+        t = _Tracked(p.block_hashes, p.parent, array("q", p.token_ids), p.lora_name)
+        self._emit_stored(t, t.block_hashes)
+        self.stored_chunks += 1
+        if self.record is None:
+            return  # nothing will ever be withdrawn: keep no state
+        self._tracked[cid] = t
+        self._cover(t, +1)
+        if len(self._tracked) > MAX_TRACKED_CHUNKS:
+            self._withdraw(next(iter(self._tracked)))
+
+    def _emit_stored(self, t: _Tracked, hashes: Sequence[Any]) -> None:
         from vllm.distributed.kv_events import BlockStored
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         self._out.append(
             BlockStored(
-                block_hashes=[maybe_convert_block_hash(h) for h in p.block_hashes],
-                parent_block_hash=maybe_convert_block_hash(p.parent) if p.parent is not None else None,
-                token_ids=p.token_ids,
+                block_hashes=[maybe_convert_block_hash(h) for h in hashes],
+                parent_block_hash=maybe_convert_block_hash(t.parent) if t.parent is not None else None,
+                token_ids=list(t.token_ids),
                 block_size=self.block_size,
                 lora_id=None,
-                medium=STORE_MEDIUM,
-                lora_name=p.lora_name,
+                medium=t.medium,
+                lora_name=t.lora_name,
                 locality=self.locality,
             )
         )
-        self.stored_chunks += 1
-        if self.record is None:
-            return  # nothing will ever be withdrawn: keep no state
-        if cid in self._tracked:
-            self._tracked.move_to_end(cid)
-            return
-        self._tracked[cid] = p.block_hashes
-        for h in p.block_hashes:
-            self._covers[h] = self._covers.get(h, 0) + 1
-        if len(self._tracked) > MAX_TRACKED_CHUNKS:
-            self._withdraw(next(iter(self._tracked)))
 
-    def _withdraw(self, cid: ChunkId) -> None:
+    def _cover(self, t: _Tracked, delta: int) -> list[Any]:
+        """Count t's blocks in its medium; returns the blocks no announced object
+        covers any more (on -1) in that medium."""
+        gone = []
+        for h in t.block_hashes:
+            k = (h, t.medium)
+            n = self._covers.get(k, 0) + delta
+            if n <= 0:
+                self._covers.pop(k, None)
+                gone.append(h)
+            else:
+                self._covers[k] = n
+        return gone
+
+    def _emit_removed(self, hashes: list[Any], medium: str) -> None:
         from vllm.distributed.kv_events import BlockRemoved
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-        hashes = self._tracked.pop(cid, None)
-        if hashes is None:
+        if hashes:
+            self._out.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(h) for h in hashes],
+                                          medium=medium, locality=self.locality))
+
+    def _set_medium(self, cid: ChunkId, t: _Tracked, medium: str) -> None:
+        if medium == t.medium:
             return
-        gone = []
-        for h in hashes:
-            n = self._covers.get(h, 0) - 1
-            if n <= 0:
-                self._covers.pop(h, None)
-                gone.append(h)
-            else:
-                self._covers[h] = n
+        self._emit_removed(self._cover(t, -1), t.medium)
+        t.medium = medium
+        self._cover(t, +1)
+        self._emit_stored(t, t.block_hashes)
+
+    def _withdraw(self, cid: ChunkId) -> None:
+        t = self._tracked.pop(cid, None)
+        if t is None:
+            return
         self.removed_chunks += 1
-        if gone:
-            self._out.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(h) for h in gone],
-                                          medium=STORE_MEDIUM, locality=self.locality))
+        self._emit_removed(self._cover(t, -1), t.medium)
 
     def close(self) -> None:
         if self.record is not None:

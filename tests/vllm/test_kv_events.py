@@ -85,9 +85,12 @@ class Recorder:
         pass
 
 
+POOL_MEDIA = {"CPU", "STORAGE"}
+
+
 def pool_events(rec: Recorder) -> list[Any]:
     """The connector's events (vLLM's own block pool publishes medium "GPU")."""
-    return [e for e in rec.events() if getattr(e, "medium", None) == "CPU"]
+    return [e for e in rec.events() if getattr(e, "medium", None) in POOL_MEDIA]
 
 
 def attach_router(eng: EngineHarness) -> Recorder:
@@ -164,14 +167,15 @@ def check_index(eng: EngineHarness, pool, index: RouterIndex, chunks: dict[tuple
             n_present += 1
             present.update(chunks[cid].blocks)
     universe = {h for c in chunks.values() for h in c.blocks}
-    in_pool = {h for h, media in index.media.items() if "CPU" in media}
+    in_pool = {h for h, media in index.media.items() if media & POOL_MEDIA}
     stale = [h for h in universe - present if h in in_pool]
     missing = [h for h in present if h not in in_pool]
     assert not stale, f"{len(stale)} blocks announced but not in the pool (not withdrawn)"
     assert not missing, f"{len(missing)} blocks in the pool but never announced"
     assert in_pool <= universe, "index holds pool blocks no request produced"
-    # The pool's DRAM tier is "CPU"; vLLM's own device blocks are "GPU" (its events, same stream).
-    assert all(m <= {"CPU", "GPU"} for m in index.media.values()), "unexpected medium"
+    # The pool's DRAM tier is "CPU", its disk tier "STORAGE"; vLLM's own device blocks
+    # are "GPU" (its events, same stream).
+    assert all(m <= POOL_MEDIA | {"GPU"} for m in index.media.values()), "unexpected medium"
     return n_present
 
 

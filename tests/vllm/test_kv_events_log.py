@@ -26,8 +26,9 @@ FP = "ab" * 8
 @dataclass(frozen=True)
 class Ev:
     key: str
-    tier: str = "dram"
+    tier: str = "cpu"
     reason: str = "evicted"
+    moved_to: str | None = None
 
 
 class Pool:
@@ -47,8 +48,15 @@ class Pool:
 
     def evict(self, key: str) -> None:
         self.objects.discard(key)
+        self._log(Ev(key))
+
+    def move(self, key: str, frm: str, to: str) -> None:
+        """Spill (cpu -> disk) or promote (disk -> cpu): still in the pool."""
+        self._log(Ev(key, frm, "spilled" if to == "disk" else "promoted", to))
+
+    def _log(self, ev: Ev) -> None:
         self.seq += 1
-        self.record.append((self.seq, Ev(key)))
+        self.record.append((self.seq, ev))
         self.record = self.record[-self.record_len :]
 
     def removed_since(self, cursor: int, limit: int):
@@ -258,3 +266,27 @@ def test_a_failing_record_read_rechecks_announced_chunks():
     assert kinds(ev) == [("BlockRemoved", 1)]
     pool.removed_since = real
     assert log.take() == []  # the eviction, now read from the record, was already withdrawn
+
+
+def test_spill_and_promotion_move_the_chunk_between_media():
+    """The local pool's record reports tier moves (moved_to): the chunk stays
+    announced, under the medium it is loaded from now."""
+    pool, kb, log = setup(ranks=2)
+    r = request("a", 1)
+    c = chunk(r, 0)
+    log.planned(r, "-", [c], 1)
+    land(pool, log, kb, c)
+    assert [(type(e).__name__, e.medium) for e in log.take()] == [("BlockStored", "CPU")]
+    k0, k1 = keys_of(kb, c)
+    pool.move(k0, "cpu", "disk")  # one rank's part spilled: the chunk now loads partly from disk
+    ev = log.take()
+    assert [(type(e).__name__, e.medium) for e in ev] == [("BlockRemoved", "CPU"), ("BlockStored", "STORAGE")]
+    assert ev[1].token_ids == r.all_token_ids[:BS] and ev[1].block_hashes == [ext(r.block_hashes[0])]
+    pool.move(k1, "cpu", "disk")
+    assert log.take() == []  # still STORAGE
+    pool.move(k0, "disk", "cpu")  # promoted on a hit; k1 still on disk
+    assert log.take() == []
+    pool.move(k1, "disk", "cpu")
+    assert [(type(e).__name__, e.medium) for e in log.take()] == [("BlockRemoved", "STORAGE"), ("BlockStored", "CPU")]
+    pool.evict(k0)
+    assert [(type(e).__name__, e.medium) for e in log.take()] == [("BlockRemoved", "CPU")]
