@@ -20,7 +20,7 @@ from ascendstore_vllm.compat import cache_hit_source
 from ascendstore_vllm.context import ConnectorContext
 from ascendstore_vllm.gr.stats import prefixed
 from ascendstore_vllm.gr.wiring import PLAN_KEY, GRFieldsIgnored, attach_gr, plan_of
-from ascendstore_vllm.metadata import AscendStoreMetadata
+from ascendstore_vllm.metadata import AscendStoreMetadata, AscendStoreWorkerMeta
 from ascendstore_vllm.stats import AscendStorePromMetrics, AscendStoreStats
 
 if TYPE_CHECKING:
@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _vllm_publishes_kv_events(vllm_config: Any) -> bool:
+    ev = getattr(vllm_config, "kv_events_config", None)
+    return bool(ev is not None and ev.enable_kv_cache_events)
+
+
 class AscendStoreConnector(KVConnectorBase_V1):
     #: After a failed load, a request's next lookup stops below the first failed
     #: chunk (scheduler ``_bad_from``), so kv_load_failure_policy "recompute" with
@@ -46,10 +51,13 @@ class AscendStoreConnector(KVConnectorBase_V1):
         self.ctx = ConnectorContext.from_vllm(vllm_config, kv_cache_config)
         self.scheduler = None
         self.worker = None
+        # KV events cost a little per step (landed keys, the removal record): only
+        # when vLLM publishes them (--kv-events-config enable_kv_cache_events).
+        self.kv_events = self.ctx.config.kv_events and _vllm_publishes_kv_events(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             from ascendstore_vllm.scheduler import AscendStoreScheduler
 
-            self.scheduler = AscendStoreScheduler(self.ctx)
+            self.scheduler = AscendStoreScheduler(self.ctx, kv_events=self.kv_events)
         else:
             from ascendstore_vllm.worker import AscendStoreWorker
 
@@ -187,6 +195,14 @@ class AscendStoreConnector(KVConnectorBase_V1):
         if self.gr is not None:
             errors |= self.gr.take_load_errors()
         return errors
+
+    def build_connector_worker_meta(self) -> AscendStoreWorkerMeta | None:
+        # KV events: keys whose saves landed this step, merged across ranks by vLLM
+        # and read by the scheduler side in update_connector_output.
+        if self.worker is None or not self.kv_events:
+            return None
+        landed = self.worker.take_landed()
+        return AscendStoreWorkerMeta(landed) if landed else None
 
     def get_kv_connector_stats(self) -> AscendStoreStats | None:
         role = self.worker or self.scheduler

@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+except ImportError:  # vLLM before the worker-meta path: no landing reports, so no BlockStored
+    KVConnectorWorkerMetadata = object  # type: ignore[assignment,misc]
+
 
 @dataclass
 class ChunkRef:
@@ -44,3 +49,17 @@ class AscendStoreMetadata(KVConnectorMetadata):
 
     def is_empty(self) -> bool:
         return not (self.loads or self.saves or self.delayed_free or self.preempted)
+
+
+@dataclass
+class AscendStoreWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, once per step: keys of this worker's saves now in the
+    pool (put OK, or found there and skipped) since the last step. vLLM merges the ranks' metas with ``aggregate``;
+    the scheduler announces a chunk (KV event ``BlockStored``) once the union
+    holds every object of it."""
+
+    landed: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> AscendStoreWorkerMeta:
+        assert isinstance(other, AscendStoreWorkerMeta)
+        return AscendStoreWorkerMeta(self.landed | other.landed)

@@ -16,8 +16,9 @@ from ascendstore.engine.metrics import LabelCap
 from ascendstore.keys import NO_TENANT, block_hash_hex
 from ascendstore.registry import create_backend
 from ascendstore_vllm.context import ConnectorContext, chunk_bounds
+from ascendstore_vllm.events import KVEventLog
 from ascendstore_vllm.lookup_rpc import LookupClient
-from ascendstore_vllm.metadata import AscendStoreMetadata, ChunkRef, LoadSpec, SaveSpec
+from ascendstore_vllm.metadata import AscendStoreMetadata, AscendStoreWorkerMeta, ChunkRef, LoadSpec, SaveSpec
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -37,13 +38,20 @@ class _Tracker:
     request: Request
     tenant: str
     block_ids: list[int] = field(default_factory=list)
-    next_save_block: int = 0  # blocks below this are saved (or queued, or loaded)
+    #: full chunks below this block are saved (or queued, or loaded); always on a
+    #: chunk boundary, so a partial tail saved earlier never hides the full chunk
+    #: that later covers it (chunked prefill).
+    next_save_block: int = 0
+    #: discard_partial_chunks false: end block of the partial tail saved (or
+    #: loaded) for this request; 0 when none. A tail is saved once, at the end of
+    #: the prefill: that is the only tail a repeat of the prompt looks up.
+    tail_saved_end: int = 0
     saves_planned: bool = False
     loading_async: bool = False
 
 
 class AscendStoreScheduler:
-    def __init__(self, ctx: ConnectorContext) -> None:
+    def __init__(self, ctx: ConnectorContext, *, kv_events: bool | None = None) -> None:
         self.ctx = ctx
         cfg = ctx.config
         self.metrics = EngineMetrics()
@@ -52,6 +60,18 @@ class AscendStoreScheduler:
         self._rpc: LookupClient | None = None
         self._guard: BackendGuard | None = None
         self._open_lookup()
+        #: KV events (kv_events: true): BlockStored once saves land, BlockRemoved
+        #: from the pool's removal record (ascendstore_vllm.events).
+        self.events: KVEventLog | None = None
+        if cfg.kv_events if kv_events is None else kv_events:
+            self.events = KVEventLog(
+                ctx.key_builder(), ctx.block_size, guard=self._guard,
+                local=self._guard is not None and not self._guard.capabilities.shared_across_nodes,
+                timeout_s=self._lookup_timeout_s,
+            )
+            if not self.events.reports_removals:
+                log.info("AscendStore KV events: BlockStored only; backend %r reports no removals%s", cfg.backend,
+                         "" if self._guard is not None else " to the scheduler (lookup_mode rpc)")
         self._trackers: dict[str, _Tracker] = {}
         self._matched: dict[str, tuple[int, int, bool]] = {}  # req -> (local, hit tokens, async)
         self._loads: list[LoadSpec] = []
@@ -60,7 +80,6 @@ class AscendStoreScheduler:
         self._inflight_loads: dict[str, tuple[bool, list[tuple[int, set[int]]]]] = {}
         self._bad_from: dict[str, int] = {}
         self._delayed_free: list[str] = []
-        self._events: list[Any] = []
         self.request_params_hooks: list[RequestParamsHook] = []
         # Operator metrics and admission (docs/failure-semantics.md, docs/benchmarking.md).
         self._lookup_local: dict[str, int] = {}  # req -> device hit tokens at its last lookup
@@ -203,8 +222,14 @@ class AscendStoreScheduler:
         self._inflight_loads[request.request_id] = (is_async, [(c.index, {b for b in c.block_ids if b >= 0})
                                                                for c in chunks])
         tr.loading_async = is_async
-        # Loaded chunks are in the pool already; never save them back.
-        tr.next_save_block = max(tr.next_save_block, bounds[chunks[-1].index][1])
+        # Loaded chunks are in the pool already; never save them back. A loaded
+        # partial tail is in the pool too, but the full chunk that later covers
+        # it (decode with save_decode_cache) is not.
+        b0, b1 = bounds[chunks[-1].index]
+        if b1 - b0 < self.ctx.blocks_per_chunk:
+            tr.tail_saved_end = b1
+            b1 = b0
+        tr.next_save_block = max(tr.next_save_block, b1)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> AscendStoreMetadata:
         t0 = time.perf_counter()
@@ -250,47 +275,49 @@ class AscendStoreScheduler:
     def _plan_save(self, meta: AscendStoreMetadata, tr: _Tracker, tokens_done: int) -> None:
         req = tr.request
         limit = tokens_done if self.ctx.config.save_decode_cache else min(tokens_done, req.num_prompt_tokens)
+        bpc = self.ctx.blocks_per_chunk
         # Fast path (every decode step of every running request): no new chunk yet.
         full_blocks = min(len(req.block_hashes), limit // self.ctx.block_size)
         new_blocks = full_blocks - tr.next_save_block
-        if new_blocks <= 0 or (new_blocks < self.ctx.blocks_per_chunk and self.ctx.config.discard_partial_chunks):
+        if new_blocks < bpc and (
+            self.ctx.config.discard_partial_chunks
+            or new_blocks <= 0
+            or tr.tail_saved_end
+            or tokens_done < req.num_prompt_tokens
+        ):
             return
-        bounds = self._bounds(req, limit)
+        nblocks = len(tr.block_ids)
         chunks = [
-            ChunkRef(i, block_hash_hex(req.block_hashes[b1 - 1]), tr.block_ids[b0:b1])
-            for i, (b0, b1) in enumerate(bounds)
-            if b0 >= tr.next_save_block and b1 <= len(tr.block_ids)
+            ChunkRef(i, block_hash_hex(req.block_hashes[b0 + bpc - 1]), tr.block_ids[b0 : b0 + bpc])
+            for i, b0 in enumerate(range(0, full_blocks - bpc + 1, bpc))
+            if b0 >= tr.next_save_block and b0 + bpc <= nblocks
         ]
+        if chunks:
+            tr.next_save_block = (chunks[-1].index + 1) * bpc
+        tail = (tr.next_save_block, full_blocks)
+        if (
+            not self.ctx.config.discard_partial_chunks
+            and not tr.tail_saved_end
+            and tokens_done >= req.num_prompt_tokens  # prefill done: the prompt's own tail
+            and 0 < tail[1] - tail[0] < bpc
+            and tail[1] <= nblocks
+        ):
+            # The trailing run of full blocks, as its own object (discard_partial_chunks
+            # false). next_save_block stays on the chunk boundary: the full chunk
+            # that covers this tail later (decode) is still saved.
+            chunks.append(ChunkRef(tail[0] // bpc, block_hash_hex(req.block_hashes[tail[1] - 1]),
+                                   tr.block_ids[tail[0] : tail[1]]))
+            tr.tail_saved_end = tail[1]
         if not chunks:
             return
-        tr.next_save_block = bounds[chunks[-1].index][1]
         if self._admission.active:
             chunks = self._admit(tr, chunks)
             if not chunks:
                 return
         tr.saves_planned = True
         meta.saves.append(SaveSpec(req.request_id, tr.tenant, chunks))
-        if self.ctx.config.kv_events:
-            self._record_stored(req, bounds, chunks)
-
-    def _record_stored(self, req: Request, bounds: list[tuple[int, int]], chunks: list[ChunkRef]) -> None:
-        from vllm.distributed.kv_events import BlockStored
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
-        b0 = bounds[chunks[0].index][0]
-        b1 = bounds[chunks[-1].index][1]
-        bs = self.ctx.block_size
-        self._events.append(
-            BlockStored(
-                block_hashes=[maybe_convert_block_hash(h) for h in req.block_hashes[b0:b1]],
-                parent_block_hash=maybe_convert_block_hash(req.block_hashes[b0 - 1]) if b0 else None,
-                token_ids=list(req.all_token_ids[b0 * bs : b1 * bs]),
-                block_size=bs,
-                lora_id=None,
-                medium="ascendstore",
-                lora_name=None,
-            )
-        )
+        if self.events is not None:
+            self.events.planned(req, tr.tenant, chunks, bpc)
 
     def _admit(self, tr: _Tracker, chunks: list[ChunkRef]) -> list[ChunkRef]:
         """The leading chunks admission lets this step save (the rest is skipped)."""
@@ -317,6 +344,13 @@ class AscendStoreScheduler:
             m.add_labelled("tenant_hit_tokens", tenant, num_external_tokens)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.events is not None:
+            wm = connector_output.kv_connector_worker_meta
+            if isinstance(wm, AscendStoreWorkerMeta):
+                self.events.landed(wm.landed)
+            # After the landed keys: a request's saves report done on every rank
+            # no earlier than the keys they stored.
+            self.events.requests_done(connector_output.finished_sending or ())
         invalid = connector_output.invalid_block_ids
         if invalid:
             for req_id, (_, chunks) in self._inflight_loads.items():
@@ -351,8 +385,8 @@ class AscendStoreScheduler:
         return "EXTERNAL_UNSPECIFIED"
 
     def take_events(self) -> Iterable[Any]:
-        events, self._events = self._events, []
-        return events
+        # vLLM calls this every step, after update_connector_output.
+        return self.events.take() if self.events is not None else ()
 
     def reset_cache(self) -> bool:
         # The pool is shared with other instances; only our scheduler state is
@@ -361,6 +395,8 @@ class AscendStoreScheduler:
         return True
 
     def shutdown(self) -> None:
+        if self.events is not None:
+            self.events.close()
         if self._guard is not None:
             self._guard.close()
         if self._rpc is not None:

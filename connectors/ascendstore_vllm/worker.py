@@ -375,6 +375,12 @@ class AscendStoreWorker:
         self._delayed -= sent
         return (sent or None), (recv or None)
 
+    # -- KV events (ascendstore_vllm.events) --------------------------------------------
+    def take_landed(self) -> set[str]:
+        """Keys of this worker's saves now in the pool (put OK, or found there and
+        skipped) since the last call: sent back in the step's worker meta."""
+        return set(self.engine.take_landed())
+
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors

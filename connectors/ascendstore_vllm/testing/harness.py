@@ -61,6 +61,9 @@ class EngineSpec:
     model_dir: str | None = None
     #: extra kwargs for KVTransferConfig (e.g. kv_connector_module_path).
     kv_transfer_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: vLLM publishes KV events (KVEventsConfig enable_kv_cache_events, "null"
+    #: publisher: tests replace ``scheduler.kv_event_publisher`` to read them).
+    kv_events: bool = False
 
 
 def fake_kv(token_ids: torch.Tensor, positions: torch.Tensor, layer: int, shard: int,
@@ -86,6 +89,7 @@ def build_vllm_config(spec: EngineSpec):
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
+        KVEventsConfig,
         KVTransferConfig,
         ModelConfig,
         ParallelConfig,
@@ -118,6 +122,7 @@ def build_vllm_config(spec: EngineSpec):
         parallel_config=ParallelConfig(tensor_parallel_size=spec.tp_size),
         device_config=DeviceConfig(device="cpu"),
         kv_transfer_config=ktc,
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if spec.kv_events else None,
     )
 
 
