@@ -28,11 +28,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from ascendstore.config import GRConfig
 from ascendstore.contract import Backend, Region, Status
+from ascendstore.engine.guard import PendingCall
 from ascendstore.gr.inputs import check_uid
 from ascendstore.gr.records import (
     KV_HEADER_BYTES,
@@ -177,6 +179,10 @@ class UserStore:
         self.clock = clock
         self.caps = backend.capabilities
         self._scratch: np.ndarray | None = None
+        #: host buffers lent to calls the guard stopped waiting for, kept alive until
+        #: those calls really end (shared with the variants of this store)
+        self._held: list[tuple[Callable[[], bool], tuple[Any, ...]]] = []
+        self._held_lock = threading.Lock()
 
     def with_variant(self, variant: str) -> UserStore:
         """This store for KV that depends on more than the token ids (a LoRA adapter,
@@ -220,9 +226,7 @@ class UserStore:
             if not pending:
                 break
             bufs = [np.empty(token_object_bytes(cap), dtype=np.uint8) for _ in pending]
-            statuses = self.backend.get(
-                [keys[i] for i in pending], [[_region(b)] for b in bufs], self.timeout_s
-            )
+            statuses, _ = self._transfer("get", [keys[i] for i in pending], [[_region(b)] for b in bufs], bufs)
             still = []
             for i, st, buf in zip(pending, statuses, bufs, strict=True):
                 if st is Status.OK:
@@ -298,7 +302,7 @@ class UserStore:
         bufs = [self._record_buffer(uid, rank, r) for rank, r in enumerate(recs)]
         if not self.caps.overwrite_on_put:
             self._remove(keys)
-        self.backend.put(keys, [[_region(b)] for b in bufs], self.timeout_s)
+        self._transfer("put", keys, [[_region(b)] for b in bufs], bufs)
 
     def _record_buffer(self, uid: str, rank: int, rec: TokenRecord) -> np.ndarray:
         # Keep the size class of the full KV object's history so a reader with
@@ -384,7 +388,7 @@ class UserStore:
                                                     for r in _runs(b)])
         if not self.caps.overwrite_on_put:
             self._remove(keys)
-        statuses = self.backend.put(keys, regions, self.timeout_s)
+        statuses, _ = self._transfer("put", keys, regions, headers)
         bad = next((s for s in statuses if s is not Status.OK), None)
         if bad is not None:
             self.stats.add(save_failures=1)
@@ -393,7 +397,7 @@ class UserStore:
         rec = TokenRecord(toks[:n_tokens].astype(np.int32), n_blocks, generation, self.clock(),
                           n_blocks * block_bytes, tenant)
         buf = self._record_buffer(uid, self.worker_id, rec)
-        (st,) = self.backend.put([token_key], [[_region(buf)]], self.timeout_s)
+        (st,), _ = self._transfer("put", [token_key], [[_region(buf)]], [buf])
         if st is not Status.OK:
             self.stats.add(save_failures=1)
             return st
@@ -445,7 +449,10 @@ class UserStore:
         else:
             headers.append(np.zeros(KV_HEADER_BYTES, dtype=np.uint8))
             regions.append([_region(headers[0])] + [r for layer in layer_blocks for r in fill(layer)])
-        statuses = self.backend.get(keys, regions, self.timeout_s)
+        owners = [*headers, self._scratch]
+        statuses, held = self._transfer("get", keys, regions, owners)
+        if held:
+            self._scratch = None  # a late write may still land in it: the next load gets a new one
         bad = next((s for s in statuses if s is not Status.OK), None)
         if bad is not None:
             return bad
@@ -455,6 +462,42 @@ class UserStore:
         self.stats.add(bytes_loaded=sum(
             r.length for layer in wanted_layers for b in layer_blocks[layer] if b is not None for r in _runs(b)))
         return Status.OK
+
+    def _transfer(
+        self, op: str, keys: list[str], regions: list[list[Region]], owners: Sequence[Any]
+    ) -> tuple[list[Status], bool]:
+        """``get``/``put`` of host buffers ``owners`` (the arrays behind ``regions``);
+        returns the statuses and whether the call may still be using the memory.
+
+        A call the guard stopped waiting for (TIMEOUT) may still write into or read
+        its buffers later; had they been freed, that late write lands in reused heap
+        memory (seen as crashes and endless loops far away). Such buffers stay
+        referenced here until the guard says the call has really ended.
+        """
+        self._release_held()
+        backend = self.backend
+        hold_for = getattr(backend, "hold_for", None)
+        submit = getattr(backend, f"submit_{op}", None)
+        if hold_for is None or submit is None or getattr(backend, "inline", False):
+            # a bare backend, or a bounded one (the guard runs it on this thread): the
+            # call is over when it returns, but a backend's own detached work may not be
+            statuses = list(getattr(backend, op)(keys, regions, self.timeout_s))
+            call = PendingCall(op, len(keys), None, self.timeout_s, statuses)
+        else:
+            call = submit(keys, regions, self.timeout_s) if op == "get" else submit(keys, regions)
+            statuses = backend.result(call)
+        release = hold_for(call, statuses) if hold_for is not None else None
+        if release is None:
+            return statuses, False
+        with self._held_lock:
+            self._held.append((release, tuple(owners)))
+        return statuses, True
+
+    def _release_held(self) -> None:
+        if not self._held:
+            return
+        with self._held_lock:
+            self._held[:] = [(done, owners) for done, owners in self._held if not done()]
 
     def _scratch_region(self, nbytes: int) -> Region:
         if self._scratch is None or self._scratch.nbytes < nbytes:
