@@ -132,6 +132,10 @@ class AscendStoreConfig(BaseModel):
     )
     max_inflight_bytes: ByteSize = Field(0, description="per rank; 0: unlimited")
     transfer_queue_size: int = Field(64, ge=1, description="save tasks queued per rank (layerwise: one per layer); a step's saves that do not fit are skipped whole")
+    inline_save_bytes: ByteSize = Field(
+        64 << 20,
+        description="host KV and an in-process pool (local): a step's saves up to this size run on the forward thread instead of the save thread; 0: always on the save thread",
+    )
     save_queue_bytes: ByteSize = Field(1 << 30, description="bytes of saves queued per rank; a step's saves that do not fit are skipped whole; 0: unlimited")
     staging_buffer_bytes: ByteSize = Field(
         256 << 20,

@@ -103,26 +103,17 @@ class BackendGuard:
     def _call(
         self, op: str, n: int, args: tuple[Any, ...], timeout_s: float | None, gated: bool = True
     ) -> list[Status]:
-        if not self.inline or n == 0:
-            return self.result(self._submit(op, n, args, timeout_s, gated))
+        return self.result(self._submit(op, n, args, timeout_s, gated))
+
+    def _run_inline(self, op: str, n: int, args: tuple[Any, ...], timeout: float) -> list[Status]:
         # No thread hop: a lone small save or lookup costs one call, not two hand-offs.
-        if gated and self._gate(n):
-            return [Status.UNAVAILABLE] * n
-        if self._closed:
-            self.metrics.add(unavailable=n)
-            return [Status.UNAVAILABLE] * n
-        timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
             result = getattr(self.backend, op)(*args, timeout)
         except Exception:
             log.exception("backend %s of %d keys raised; reporting UNAVAILABLE", op, n)
             self.metrics.add(unavailable=n)
-            out = [Status.UNAVAILABLE] * n
-        else:
-            out = self._check(op, result, n)
-        if self.monitor is not None or self.observers:
-            self._observe(op, out)
-        return out
+            return [Status.UNAVAILABLE] * n
+        return self._check(op, result, n)
 
     def _gate(self, n: int) -> bool:
         """Degraded mode: answer without calling the sick backend (its probes find out when it is back)."""
@@ -144,6 +135,9 @@ class BackendGuard:
                 self.metrics.add(unavailable=n)
                 # Stuck calls are the backend's failure; a closed guard is ours.
                 return PendingCall(op, n, None, timeout, [Status.UNAVAILABLE] * n, observe=not self._closed)
+        if self.inline:
+            # Returns by itself in time: run it here and now (the caller collects it with result()).
+            return PendingCall(op, n, None, timeout, self._run_inline(op, n, args, timeout))
         fut = self._pool.submit(getattr(self.backend, op), *args, timeout)
         return PendingCall(op, n, fut, timeout, None, time.monotonic() + timeout + GRACE_S)
 

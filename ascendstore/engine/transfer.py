@@ -421,10 +421,13 @@ class TransferEngine:
         skip_existing: bool = True,
         shared_exists: SharedExists | None = None,
         admitted: bool = False,
+        inline: bool = False,
     ) -> bool:
         """Queue a save; False if there was no room (the save is dropped, a future miss).
 
-        ``admitted``: room was reserved with ``admit_save`` (layerwise: once for all layers)."""
+        ``admitted``: room was reserved with ``admit_save`` (layerwise: once for all layers).
+        ``inline``: run it now on the calling thread (a small in-process copy costs
+        less than waking a transfer thread on a CPU whose cores spin in OpenMP)."""
         nbytes = sum(op.nbytes for op in ops)
         if not admitted and not self.admit_save(1, nbytes):
             self.metrics.add(save_dropped_queue_full=len(ops))
@@ -433,6 +436,11 @@ class TransferEngine:
         # back to vLLM promptly instead of waiting behind a slow store.
         task = _Task("save", req_id, list(ops), layer=layer, before=before, skip_existing=skip_existing,
                      shared_exists=shared_exists, deadline=time.monotonic() + self.timeout_s, reserved=nbytes)
+        if inline:
+            with self._lock:
+                self._pending["save"][req_id].append(task)
+            self._execute(task)
+            return True
         self._enqueue(task)
         return True
 
@@ -630,8 +638,10 @@ class TransferEngine:
         if self.stagger_delay_s and self.stagger_index:
             time.sleep(max(0.0, min(self.stagger_delay_s * self.stagger_index, self._time_left(task))))
         stager = self._load_stager()
-        # Straight into vLLM's blocks only with a backend that never outlives its calls.
-        pipelined = stager is None
+        # Straight into vLLM's blocks only with a backend that never outlives its
+        # calls; overlapped on a guard thread unless the backend runs inline (a
+        # hand-off costs more than the overlap gains for an in-process copy).
+        pipelined = stager is None and not self.guard.inline
         pending: tuple[list[ChunkOp], int, PendingCall, float] | None = None
         max_bytes, max_blocks = self._batch_limit(task, pipelined, stager)
         for batch in batches(ops, max_bytes, max_blocks):
@@ -656,7 +666,10 @@ class TransferEngine:
                 pending = (batch, nbytes, self.guard.submit_get([op.key for op in batch], regions, left), t0)
                 continue
             try:
-                statuses = self._staged_get(task, batch, stager)  # type: ignore[arg-type]
+                if stager is None:  # inline into vLLM's blocks (a direct, bounded backend)
+                    statuses = self.guard.get([op.key for op in batch], regions, max(0.0, self._time_left(task)))
+                else:
+                    statuses = self._staged_get(task, batch, stager)
             finally:
                 self._budget.release(nbytes)
             self._load_done(task, batch, statuses, time.perf_counter() - t0)
@@ -759,7 +772,7 @@ class TransferEngine:
                 self._note_landed(op.key for op in existing)
             ops = keep
         stager = self.stager
-        pipelined = stager is None
+        pipelined = stager is None and not self.guard.inline
         pending: tuple[list[ChunkOp], int, PendingCall, float] | None = None
         max_bytes, max_blocks = self._batch_limit(task, pipelined, stager)
         for batch in batches(ops, max_bytes, max_blocks):
@@ -773,8 +786,11 @@ class TransferEngine:
                 continue
             t0 = time.perf_counter()
             keys = [op.key for op in batch]
-            if pipelined:
+            if pipelined or stager is None:
                 pending = (batch, nbytes, self.guard.submit_put(keys, regions), t0)
+                if not pipelined:  # an inline backend: the put already ran on this thread
+                    self._collect_save(task, *pending, landed, stored)
+                    pending = None
                 continue
             try:
                 with self._stage_locks["save"]:

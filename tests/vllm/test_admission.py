@@ -13,7 +13,9 @@ PROMPT = [(7 * i + 3) % 911 for i in range(100)]  # 6 full blocks of 16
 
 
 def engine(**extra) -> EngineHarness:
-    return EngineHarness(EngineSpec(extra_config=local_pool_config("adm-" + uuid.uuid4().hex[:10], **extra)))
+    # KV events on (vLLM publishes them), so BlockStored can be checked.
+    return EngineHarness(EngineSpec(extra_config=local_pool_config("adm-" + uuid.uuid4().hex[:10], **extra),
+                                    kv_events=True))
 
 
 def exact(eng: EngineHarness, req: str, prompt: list[int]) -> bool:

@@ -115,6 +115,12 @@ def run_real(*, model: str = "llama", docs: int = 8, rounds: int = 3, max_tokens
             for doc in texts:
                 outs: dict[str, Completion] = {}
                 for name, s in servers.items():
+                    # One server runs at a time: the other is frozen, so neither is
+                    # measured while the other's idle threads spin on the same cores.
+                    for other in servers.values():
+                        if other is not s:
+                            other.pause()
+                    s.resume()
                     c = s.complete(doc, max_tokens, logprobs=0)
                     outs[name] = c
                     side = sides[name]
@@ -125,6 +131,8 @@ def run_real(*, model: str = "llama", docs: int = 8, rounds: int = 3, max_tokens
                     side.cached_tokens += c.cached_tokens
                 mismatches += outs["no pool"].token_ids != outs["pool"].token_ids
         wall = time.monotonic() - t_all
+        for s in servers.values():
+            s.resume()
         for name, s in servers.items():
             m = s.metrics()
             sides[name].device_hit_tokens = m.get("vllm:prefix_cache_hits_total", 0.0)

@@ -118,9 +118,21 @@ class VllmServer:
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
+    def pause(self) -> None:
+        """Freeze the server (its whole session): an idle vLLM CPU server keeps its
+        OpenMP threads spinning, which on a small machine steals the cores another
+        server is being measured on."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
+        self.resume()
         os.killpg(self.proc.pid, signal.SIGTERM)  # its engine core and workers are in its session
         try:
             self.proc.wait(30)
