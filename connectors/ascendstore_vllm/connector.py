@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from ascendstore_vllm.context import ConnectorContext
@@ -34,7 +35,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class AscendStoreConnector(KVConnectorBase_V1):
+class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """Supports vLLM's hybrid KV cache manager: blocks come per KV cache group,
+    and ascendstore_vllm.groups decides what each group pools (or refuses the
+    model at start-up)."""
+
     #: After a failed load, a request's next lookup stops below the first failed
     #: chunk (scheduler ``_bad_from``), so kv_load_failure_policy "recompute" with
     #: load_async cannot loop; ascendstore_vllm.pd reads this.
@@ -43,6 +48,11 @@ class AscendStoreConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
         self.ctx = ConnectorContext.from_vllm(vllm_config, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER and self.ctx.groups:
+            log.info("AscendStore KV cache groups: %s", "; ".join(
+                f"{p.index}:{p.spec_type} ({p.kind}, {len(p.layer_names)} layers"
+                + (f", window {p.sliding_window} tokens: pools the last {p.window_blocks()} blocks of a chunk)"
+                   if p.kind == "sliding" else ")") for p in self.ctx.groups))
         self.scheduler = None
         self.worker = None
         if role == KVConnectorRole.SCHEDULER:
@@ -67,6 +77,8 @@ class AscendStoreConnector(KVConnectorBase_V1):
     # -- scheduler side ----------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
+        if self.scheduler is not None:
+            self.scheduler.pins.block_pool = kv_cache_manager.block_pool
         if self.gr is not None:
             self.gr.bind_kv_cache_manager(kv_cache_manager)
 
@@ -108,6 +120,12 @@ class AscendStoreConnector(KVConnectorBase_V1):
         if self.gr is not None:
             self.gr.request_finished(request)
         return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Delayed free covers every group's blocks alike (vLLM frees them together).
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def delete_user(self, uid: str, cache_salt: str | None = None) -> int:
         """GR: delete a user's KV from the pool and this engine's device (user ``uid``
@@ -168,6 +186,9 @@ class AscendStoreConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
         return self.worker.get_finished(finished_req_ids)
+
+    def build_connector_worker_meta(self):
+        return self.worker.worker_meta() if self.worker is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors = self.worker.take_load_errors() if self.worker is not None else set()

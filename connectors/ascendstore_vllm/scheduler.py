@@ -13,6 +13,7 @@ from ascendstore.engine import BackendGuard, EngineMetrics, PoolLookup
 from ascendstore.keys import block_hash_hex
 from ascendstore.registry import create_backend
 from ascendstore_vllm.context import ConnectorContext, chunk_bounds
+from ascendstore_vllm.groups import SlidingPins, load_refs, save_refs
 from ascendstore_vllm.lookup_rpc import LookupClient
 from ascendstore_vllm.metadata import AscendStoreMetadata, ChunkRef, LoadSpec, SaveSpec
 
@@ -34,6 +35,8 @@ class _Tracker:
     request: Request
     tenant: str
     block_ids: list[int] = field(default_factory=list)
+    #: hybrid models: block ids per KV cache group (groups.py)
+    group_ids: list[list[int]] = field(default_factory=list)
     next_save_block: int = 0  # blocks below this are saved (or queued, or loaded)
     saves_planned: bool = False
     loading_async: bool = False
@@ -59,6 +62,8 @@ class AscendStoreScheduler:
         self._delayed_free: list[str] = []
         self._events: list[Any] = []
         self.request_params_hooks: list[RequestParamsHook] = []
+        #: hybrid models: sliding-window blocks held for saves in flight
+        self.pins = SlidingPins(ctx.tp_size * ctx.pp_size)
         #: time spent in this connector's scheduler-side calls (bench/observability).
         self.busy_s = 0.0
 
@@ -154,6 +159,8 @@ class AscendStoreScheduler:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         tr = self._tracker(request)
         tr.block_ids = list(blocks.get_block_ids()[0])
+        if self.ctx.hybrid:
+            tr.group_ids = [list(ids) for ids in blocks.get_block_ids()]
         matched = self._matched.pop(request.request_id, None)
         if num_external_tokens <= 0 or matched is None:
             return
@@ -162,7 +169,15 @@ class AscendStoreScheduler:
         end_tok = local + num_external_tokens
         chunks: list[ChunkRef] = []
         bounds = self._bounds(request, request.num_tokens)
-        for i, (b0, b1) in enumerate(bounds):
+        if self.ctx.hybrid:
+            # One ref per chunk and KV cache group; sliding windows: only the blocks vLLM keeps.
+            hashes = [block_hash_hex(request.block_hashes[b1 - 1]) for _, b1 in bounds]
+            null = [[b.is_null for b in grp] for grp in blocks.blocks]
+            chunks = load_refs(self.ctx.groups, bounds, hashes, tr.group_ids, null, local, end_tok, bs)
+            bounds_iter: list[tuple[int, int]] = []
+        else:
+            bounds_iter = bounds
+        for i, (b0, b1) in enumerate(bounds_iter):
             if b1 * bs <= local:
                 continue
             if b0 * bs >= end_tok or b1 > len(tr.block_ids):
@@ -199,6 +214,8 @@ class AscendStoreScheduler:
                 if tr is None:
                     continue
                 tr.block_ids = list(new.block_ids[0])
+                if self.ctx.hybrid:
+                    tr.group_ids = [list(ids) for ids in new.block_ids]
                 self._plan_save(meta, tr, new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0))
             cached = so.scheduled_cached_reqs
             for i, req_id in enumerate(cached.req_ids):
@@ -210,6 +227,12 @@ class AscendStoreScheduler:
                     tr.block_ids = list(new_ids[0]) if new_ids else []
                 elif new_ids:
                     tr.block_ids.extend(new_ids[0])
+                if self.ctx.hybrid:
+                    if req_id in cached.resumed_req_ids:
+                        tr.group_ids = [list(ids) for ids in new_ids] if new_ids else []
+                    elif new_ids:
+                        for have, more in zip(tr.group_ids, new_ids, strict=False):
+                            have.extend(more)
                 done = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)
                 self._plan_save(meta, tr, done)
         for hook in self.request_params_hooks:
@@ -228,18 +251,40 @@ class AscendStoreScheduler:
         if new_blocks <= 0 or (new_blocks < self.ctx.blocks_per_chunk and self.ctx.config.discard_partial_chunks):
             return
         bounds = self._bounds(req, limit)
-        chunks = [
-            ChunkRef(i, block_hash_hex(req.block_hashes[b1 - 1]), tr.block_ids[b0:b1])
-            for i, (b0, b1) in enumerate(bounds)
-            if b0 >= tr.next_save_block and b1 <= len(tr.block_ids)
-        ]
+        pin = -1
+        if self.ctx.hybrid:
+            chunks, pin = self._hybrid_saves(req, tr, bounds)
+        else:
+            chunks = [
+                ChunkRef(i, block_hash_hex(req.block_hashes[b1 - 1]), tr.block_ids[b0:b1])
+                for i, (b0, b1) in enumerate(bounds)
+                if b0 >= tr.next_save_block and b1 <= len(tr.block_ids)
+            ]
         if not chunks:
             return
         tr.next_save_block = bounds[chunks[-1].index][1]
         tr.saves_planned = True
-        meta.saves.append(SaveSpec(req.request_id, tr.tenant, chunks))
+        meta.saves.append(SaveSpec(req.request_id, tr.tenant, chunks, pin))
         if self.ctx.config.kv_events:
             self._record_stored(req, bounds, chunks)
+
+    def _hybrid_saves(self, req: Request, tr: _Tracker, bounds: list[tuple[int, int]]) -> tuple[list[ChunkRef], int]:
+        """Per-group refs of the new chunks; sliding-window blocks pinned until stored."""
+        hashes = [block_hash_hex(req.block_hashes[b1 - 1]) if b0 >= tr.next_save_block else ""
+                  for b0, b1 in bounds]
+        chunks = save_refs(self.ctx.groups, bounds, hashes, tr.group_ids, tr.next_save_block, self._null_block())
+        sliding = {p.index for p in self.ctx.groups if p.kind == "sliding"}
+        held = [b for c in chunks if c.group in sliding for b in c.block_ids]
+        if not held:
+            return chunks, -1
+        if self.pins.block_pool is None:
+            # Without vLLM's block pool nothing keeps these blocks for the save: skip them.
+            return [c for c in chunks if c.group not in sliding], -1
+        return chunks, self.pins.pin(req.request_id, held)
+
+    def _null_block(self) -> int:
+        pool = self.pins.block_pool
+        return pool.null_block.block_id if pool is not None else 0
 
     def _record_stored(self, req: Request, bounds: list[tuple[int, int]], chunks: list[ChunkRef]) -> None:
         from vllm.distributed.kv_events import BlockStored
@@ -261,6 +306,9 @@ class AscendStoreScheduler:
         )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        wmeta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if wmeta is not None and getattr(wmeta, "pins_done", None):
+            self.pins.reported(wmeta.pins_done)
         invalid = connector_output.invalid_block_ids
         if invalid:
             for req_id, (_, chunks) in self._inflight_loads.items():
