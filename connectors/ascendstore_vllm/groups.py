@@ -130,7 +130,7 @@ def plan_groups(kv_cache_groups: Sequence[Any]) -> tuple[GroupPlan, ...]:
         spec = g.kv_cache_spec
         name = type(spec).__name__
         kind = SUPPORTED.get(name)
-        if kind is not None and int(getattr(spec, "tokens_per_state", 1) or 1) != 1:
+        if kind is not None and getattr(spec, "tokens_per_state", 1) != 1:
             kind = None  # compressed states (DeepSeek V4 sparse MLA): not one state per token
         if kind is None:
             why = REFUSED.get(name, "a KV cache spec type AscendStore does not know")
@@ -252,6 +252,8 @@ class SlidingPins:
         self.world = world
         self.block_pool: Any = None
         self._seq = 0
+        #: blocks pinned so far (observability, tests)
+        self.pinned_total = 0
         self._held: dict[tuple[str, int], list[Any]] = {}
         self._reports: dict[tuple[str, int], int] = {}
 
@@ -260,6 +262,7 @@ class SlidingPins:
         assert self.block_pool is not None
         blocks = [self.block_pool.blocks[b] for b in block_ids]
         self.block_pool.touch(blocks)
+        self.pinned_total += len(blocks)
         self._seq += 1
         self._held[(req_id, self._seq)] = blocks
         return self._seq

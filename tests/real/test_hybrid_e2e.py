@@ -78,7 +78,6 @@ def test_hybrid_model_token_identical_with_window_only_pooling(model, servers, l
     try:
         log = pool.log_text()
         assert "Turning off hybrid kv cache manager" not in log, "vLLM turned HMA off for the connector"
-        assert "AscendStore KV cache groups" in log and "SlidingWindowSpec" in log, "groups not logged"
 
         # Cold: everything computed; each request saves its chunks, window blocks only.
         m0 = pool.metrics()

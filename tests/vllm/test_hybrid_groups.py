@@ -115,8 +115,10 @@ def objects(root: str) -> dict[str, int]:
 
 
 def _spec(root: str, **extra) -> EngineSpec:
+    # max_model_len 512: the harness sizes memory for full attention; HMA's sliding
+    # groups need less per layer but vLLM checks one max-length request fits.
     return EngineSpec(extra_config=pool_config(root, chunk_size=4 * BS, **extra), num_layers=4, block_size=BS,
-                      num_blocks=96)
+                      num_blocks=96, max_model_len=512, max_num_batched_tokens=256)
 
 
 # 2 KV heads x (K+V) x head 16 x fp16 = 128 B per token and layer
@@ -135,6 +137,7 @@ def test_hybrid_groups_pool_window_blocks_only_and_resume_exactly(pool_root, har
         a.run()
         assert a.read_errors() == []
         pins = a.connector.scheduler.pins
+        assert pins.pinned_total == 2 * 2, "each chunk's 2 window blocks were held while saved"
         assert pins.held_blocks == 0, "every sliding-window block pinned for a save was given back"
         assert a.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == a.kv_cache_config.num_blocks - 1
     finally:
@@ -296,3 +299,41 @@ def test_mla_one_writer_per_chunk_every_rank_loads(pool_root):
         assert [w.connector.worker.metrics.totals()["load_ops"] for w in b.workers] == [8, 8], "every rank loads"
     finally:
         b.close()
+
+
+def _race(pool_root, pin: bool, monkeypatch) -> list:
+    """Slow puts while vLLM frees window blocks mid-request and another request
+    takes them: the pool must still hold the right window KV."""
+    from ascendstore_vllm.groups import SlidingPins
+
+    if not pin:  # the wrong thing: save window blocks without holding them
+        monkeypatch.setattr(SlidingPins, "pin", lambda self, req_id, ids: -1)
+    spec = EngineSpec(extra_config=pool_config(pool_root, chunk_size=BS, backend_config={"put_delay_s": 0.05}),
+                      num_layers=4, block_size=BS, num_blocks=40, max_model_len=512, max_num_batched_tokens=32)
+    other = [(13 * i + 2) % 907 for i in range(12 * BS)]
+    a = AllSliding(spec)
+    try:
+        a.add_request("a", PROMPT)
+        a.add_request("c", other)
+        a.run()
+        assert a.read_errors() == []
+    finally:
+        a.close()
+    b = AllSliding(EngineSpec(extra_config=pool_config(pool_root, chunk_size=BS), num_layers=4, block_size=BS,
+                              num_blocks=40, max_model_len=512))
+    try:
+        b.add_request("b", PROMPT_B)
+        b.run()
+        assert b.first_schedule("b")[0] == 8 * BS
+        return b.read_errors()
+    finally:
+        b.close()
+
+
+def test_window_blocks_freed_mid_request_are_held_until_saved(pool_root, monkeypatch):
+    assert _race(pool_root, True, monkeypatch) == []
+
+
+def test_unheld_window_blocks_would_store_wrong_kv(pool_root, monkeypatch):
+    """Proves the race the pins prevent is real in this scenario."""
+    assert _race(pool_root, False, monkeypatch) != []
