@@ -58,9 +58,16 @@ class KVFingerprint:
     dcp_size: int = 1
     use_mla: bool = False
     extra: str = ""  # quantisation scheme, cache role, ... anything else that changes bytes
+    #: the KV cache group an object belongs to, with its spec (hybrid models: one
+    #: object per chunk and group). Empty for a model with one full-attention group,
+    #: whose keys are unchanged by it.
+    group: str = ""
 
     def digest(self) -> str:
-        canon = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        fields = asdict(self)
+        if not self.group:
+            del fields["group"]
+        canon = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return _digest(canon.encode(), 16)
 
 

@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from ascendstore_vllm.compat import cache_hit_source
@@ -40,7 +41,11 @@ def _vllm_publishes_kv_events(vllm_config: Any) -> bool:
     return bool(ev is not None and ev.enable_kv_cache_events)
 
 
-class AscendStoreConnector(KVConnectorBase_V1):
+class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """Supports vLLM's hybrid KV cache manager: blocks come per KV cache group,
+    and ascendstore_vllm.groups decides what each group pools (or refuses the
+    model at start-up)."""
+
     #: After a failed load, a request's next lookup stops below the first failed
     #: chunk (scheduler ``_bad_from``), so kv_load_failure_policy "recompute" with
     #: load_async cannot loop; ascendstore_vllm.pd reads this.
@@ -49,6 +54,11 @@ class AscendStoreConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
         self.ctx = ConnectorContext.from_vllm(vllm_config, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER and self.ctx.groups:
+            log.info("AscendStore KV cache groups: %s", "; ".join(
+                f"{p.index}:{p.spec_type} ({p.kind}, {len(p.layer_names)} layers"
+                + (f", window {p.sliding_window} tokens: pools the last {p.window_blocks()} blocks of a chunk)"
+                   if p.kind == "sliding" else ")") for p in self.ctx.groups))
         self.scheduler = None
         self.worker = None
         # KV events cost a little per step (landed keys, the removal record): only
@@ -77,6 +87,8 @@ class AscendStoreConnector(KVConnectorBase_V1):
     # -- scheduler side ----------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
+        if self.scheduler is not None:
+            self.scheduler.pins.block_pool = kv_cache_manager.block_pool
         if self.gr is not None:
             self.gr.bind_kv_cache_manager(kv_cache_manager)
 
@@ -123,6 +135,12 @@ class AscendStoreConnector(KVConnectorBase_V1):
             self.scheduler.request_finished(request, block_ids)
             return True, None
         return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Delayed free covers every group's blocks alike (vLLM frees them together).
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def delete_user(self, uid: str, cache_salt: str | None = None) -> int:
         """GR: delete a user's KV from the pool and this engine's device (user ``uid``
@@ -197,12 +215,15 @@ class AscendStoreConnector(KVConnectorBase_V1):
         return errors
 
     def build_connector_worker_meta(self) -> AscendStoreWorkerMeta | None:
-        # KV events: keys whose saves landed this step, merged across ranks by vLLM
-        # and read by the scheduler side in update_connector_output.
-        if self.worker is None or not self.kv_events:
+        # Merged across ranks by vLLM, read by the scheduler side in
+        # update_connector_output: pinned saves done (hybrid models) and, for KV
+        # events, keys whose saves landed this step.
+        if self.worker is None:
             return None
-        landed = self.worker.take_landed()
-        return AscendStoreWorkerMeta(landed) if landed else None
+        meta = self.worker.worker_meta() or AscendStoreWorkerMeta()
+        if self.kv_events:
+            meta.landed = self.worker.take_landed()
+        return meta or None
 
     def get_kv_connector_stats(self) -> AscendStoreStats | None:
         role = self.worker or self.scheduler

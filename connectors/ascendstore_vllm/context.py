@@ -5,13 +5,21 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ascendstore.config import AscendStoreConfig, load_config
 from ascendstore.engine import KeyBuilder, ReplicaGroup
 from ascendstore.errors import ConfigError
 from ascendstore.keys import KVFingerprint, RankPart, model_key_name, tenant_id
+from ascendstore_vllm.groups import (
+    GroupedKeyBuilder,
+    GroupPlan,
+    describe_groups,
+    group_fingerprint_extra,
+    is_hybrid,
+    plan_groups,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -52,6 +60,20 @@ def check_hash_determinism(hash_algo: str, env: Any) -> None:
             "PYTHONHASHSEED on every node, or use prefix_caching_hash_algo 'sha256' / 'sha256_cbor'."
         )
 
+def _check_mla_platform() -> None:
+    """vLLM's CPU build cannot compute MLA over cached context: it turns prefix
+    caching off for MLA ("MLA is enabled on a non-GPU platform"), and a pool hit
+    there gives wrong tokens (measured: tests/real/test_mla_e2e.py). Refuse."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        raise ConfigError(
+            "AscendStoreConnector refuses MLA models on vLLM's CPU platform: vLLM's CPU MLA kernels cannot "
+            "compute over cached context (vLLM disables prefix caching for MLA there), so KV loaded from the "
+            "pool would give wrong tokens. MLA is supported on GPU/NPU platforms."
+        )
+
+
 @dataclass(frozen=True)
 class ConnectorContext:
     config: AscendStoreConfig
@@ -68,6 +90,13 @@ class ConnectorContext:
     engine_id: str
     kv_role: str
     dp_rank: int = 0
+    #: vLLM's KV cache groups as pooled (groups.py); empty without a kv_cache_config
+    groups: tuple[GroupPlan, ...] = ()
+
+    @property
+    def hybrid(self) -> bool:
+        """Objects per KV cache group (hybrid KV cache manager, sliding windows)."""
+        return is_hybrid(self.groups)
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -93,6 +122,11 @@ class ConnectorContext:
     def key_builder(self) -> KeyBuilder:
         heads = self.tp_size // self.replicas.size
         all_ranks = tuple(RankPart(h, p) for p in range(self.pp_size) for h in range(heads))
+        if self.hybrid:
+            fps = tuple(replace(self.fingerprint, group=group_fingerprint_extra(self.groups, g)).digest()
+                        for g in self.groups)
+            return GroupedKeyBuilder(fingerprint=fps[0], rank=self.rank_part(), num_layers=self.num_layers,
+                                     all_ranks=all_ranks, group_fingerprints=fps)
         return KeyBuilder(
             fingerprint=self.fingerprint.digest(),
             rank=self.rank_part(),
@@ -124,11 +158,19 @@ class ConnectorContext:
         config = load_config(extra)
         block_size = vllm_config.cache_config.block_size
         spec = None
+        groups: tuple[GroupPlan, ...] = ()
         if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
-            if len(kv_cache_config.kv_cache_groups) > 1:
+            # Every group type must be one the pool can serve exactly (else: fail here).
+            groups = plan_groups(kv_cache_config.kv_cache_groups)
+            if is_hybrid(groups) and config.use_layerwise:
                 raise ConfigError(
-                    "AscendStoreConnector supports one KV cache group (full attention); "
-                    "start vLLM with --disable-hybrid-kv-cache-manager"
+                    "use_layerwise is not supported with hybrid KV cache groups "
+                    f"[{describe_groups(kv_cache_config.kv_cache_groups)}]; set use_layerwise: false"
+                )
+            if is_hybrid(groups) and config.gr.enabled:
+                raise ConfigError(
+                    "gr.enabled is not supported with hybrid KV cache groups "
+                    f"[{describe_groups(kv_cache_config.kv_cache_groups)}]: the GR user store keeps one block table"
                 )
             spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
             block_size = spec.block_size
@@ -147,6 +189,8 @@ class ConnectorContext:
             replicas = max(1, int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1))
         if use_mla:
             replicas = pc.tensor_parallel_size
+        if use_mla:
+            _check_mla_platform()
         hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
         num_layers = int(getattr(hf, "num_hidden_layers", 0) or 0)
         if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
@@ -185,6 +229,7 @@ class ConnectorContext:
             engine_id=engine_id,
             kv_role=str(ktc.kv_role or "kv_both"),
             dp_rank=getattr(pc, "data_parallel_rank", 0) or 0,
+            groups=groups,
         )
 
 

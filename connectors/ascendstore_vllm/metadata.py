@@ -19,6 +19,8 @@ class ChunkRef:
     index: int
     chunk_hash: str
     block_ids: list[int]
+    #: KV cache group (hybrid models: one ref per chunk and group; see groups.py)
+    group: int = 0
 
 
 @dataclass
@@ -34,6 +36,9 @@ class SaveSpec:
     req_id: str
     tenant: str
     chunks: list[ChunkRef]
+    #: >= 0: the scheduler pinned blocks vLLM may free mid-request (sliding
+    #: window) for this save; workers report it done in AscendStoreWorkerMeta.
+    pin: int = -1
 
 
 @dataclass
@@ -53,13 +58,22 @@ class AscendStoreMetadata(KVConnectorMetadata):
 
 @dataclass
 class AscendStoreWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, once per step: keys of this worker's saves now in the
-    pool (put OK, or found there and skipped) since the last step. vLLM merges the ranks' metas with ``aggregate``;
-    the scheduler announces a chunk (KV event ``BlockStored``) once the union
-    holds every object of it."""
+    """Worker -> scheduler, once per step (vLLM merges the ranks' metas with
+    ``aggregate``): keys of this worker's saves now in the pool (put OK, or found
+    there and skipped) since the last step -- the scheduler announces a chunk (KV
+    event ``BlockStored``) once the union holds every object of it -- and the
+    pinned saves (hybrid models' sliding-window blocks) this worker has finished,
+    ``(req_id, pin) -> workers``."""
 
     landed: set[str] = field(default_factory=set)
+    pins_done: dict[tuple[str, int], int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> AscendStoreWorkerMeta:
         assert isinstance(other, AscendStoreWorkerMeta)
-        return AscendStoreWorkerMeta(self.landed | other.landed)
+        pins = dict(self.pins_done)
+        for k, n in other.pins_done.items():
+            pins[k] = pins.get(k, 0) + n
+        return AscendStoreWorkerMeta(self.landed | other.landed, pins)
+
+    def __bool__(self) -> bool:
+        return bool(self.landed or self.pins_done)

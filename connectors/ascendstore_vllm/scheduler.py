@@ -17,6 +17,7 @@ from ascendstore.keys import NO_TENANT, block_hash_hex
 from ascendstore.registry import create_backend
 from ascendstore_vllm.context import ConnectorContext, chunk_bounds
 from ascendstore_vllm.events import KVEventLog
+from ascendstore_vllm.groups import SlidingPins, load_refs, save_refs
 from ascendstore_vllm.lookup_rpc import LookupClient
 from ascendstore_vllm.metadata import AscendStoreMetadata, AscendStoreWorkerMeta, ChunkRef, LoadSpec, SaveSpec
 
@@ -46,6 +47,8 @@ class _Tracker:
     #: loaded) for this request; 0 when none. A tail is saved once, at the end of
     #: the prefill: that is the only tail a repeat of the prompt looks up.
     tail_saved_end: int = 0
+    #: hybrid models: block ids per KV cache group (groups.py)
+    group_ids: list[list[int]] = field(default_factory=list)
     saves_planned: bool = False
     loading_async: bool = False
 
@@ -86,6 +89,8 @@ class AscendStoreScheduler:
         self._tenant_label = LabelCap(cfg.metrics_max_tenants)
         self._admission = SaveAdmission(cfg.admit_after_hits, cfg.save_budget_bytes_per_step, cfg.admit_track_chunks)
         self._chunk_bytes = chunk_kv_bytes(ctx)
+        #: hybrid models: sliding-window blocks held for saves in flight
+        self.pins = SlidingPins(ctx.tp_size * ctx.pp_size)
         #: time spent in this connector's scheduler-side calls (bench/observability).
         self.busy_s = 0.0
 
@@ -200,6 +205,8 @@ class AscendStoreScheduler:
         tr = self._tracker(request)
         tr.block_ids = list(blocks.get_block_ids()[0])
         self._count_hits(tr, num_external_tokens)
+        if self.ctx.hybrid:
+            tr.group_ids = [list(ids) for ids in blocks.get_block_ids()]
         matched = self._matched.pop(request.request_id, None)
         if num_external_tokens <= 0 or matched is None:
             return
@@ -208,7 +215,15 @@ class AscendStoreScheduler:
         end_tok = local + num_external_tokens
         chunks: list[ChunkRef] = []
         bounds = self._bounds(request, request.num_tokens)
-        for i, (b0, b1) in enumerate(bounds):
+        if self.ctx.hybrid:
+            # One ref per chunk and KV cache group; sliding windows: only the blocks vLLM keeps.
+            hashes = [block_hash_hex(request.block_hashes[b1 - 1]) for _, b1 in bounds]
+            null = [[b.is_null for b in grp] for grp in blocks.blocks]
+            chunks = load_refs(self.ctx.groups, bounds, hashes, tr.group_ids, null, local, end_tok, bs)
+            bounds_iter: list[tuple[int, int]] = []
+        else:
+            bounds_iter = bounds
+        for i, (b0, b1) in enumerate(bounds_iter):
             if b1 * bs <= local:
                 continue
             if b0 * bs >= end_tok or b1 > len(tr.block_ids):
@@ -252,6 +267,8 @@ class AscendStoreScheduler:
                 if tr is None:
                     continue
                 tr.block_ids = list(new.block_ids[0])
+                if self.ctx.hybrid:
+                    tr.group_ids = [list(ids) for ids in new.block_ids]
                 self._plan_save(meta, tr, new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0))
             cached = so.scheduled_cached_reqs
             for i, req_id in enumerate(cached.req_ids):
@@ -263,6 +280,12 @@ class AscendStoreScheduler:
                     tr.block_ids = list(new_ids[0]) if new_ids else []
                 elif new_ids:
                     tr.block_ids.extend(new_ids[0])
+                if self.ctx.hybrid:
+                    if req_id in cached.resumed_req_ids:
+                        tr.group_ids = [list(ids) for ids in new_ids] if new_ids else []
+                    elif new_ids:
+                        for have, more in zip(tr.group_ids, new_ids, strict=False):
+                            have.extend(more)
                 done = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)
                 self._plan_save(meta, tr, done)
         for hook in self.request_params_hooks:
@@ -286,28 +309,35 @@ class AscendStoreScheduler:
             or tokens_done < req.num_prompt_tokens
         ):
             return
-        nblocks = len(tr.block_ids)
-        chunks = [
-            ChunkRef(i, block_hash_hex(req.block_hashes[b0 + bpc - 1]), tr.block_ids[b0 : b0 + bpc])
-            for i, b0 in enumerate(range(0, full_blocks - bpc + 1, bpc))
-            if b0 >= tr.next_save_block and b0 + bpc <= nblocks
-        ]
-        if chunks:
-            tr.next_save_block = (chunks[-1].index + 1) * bpc
-        tail = (tr.next_save_block, full_blocks)
-        if (
-            not self.ctx.config.discard_partial_chunks
-            and not tr.tail_saved_end
-            and tokens_done >= req.num_prompt_tokens  # prefill done: the prompt's own tail
-            and 0 < tail[1] - tail[0] < bpc
-            and tail[1] <= nblocks
-        ):
-            # The trailing run of full blocks, as its own object (discard_partial_chunks
-            # false). next_save_block stays on the chunk boundary: the full chunk
-            # that covers this tail later (decode) is still saved.
-            chunks.append(ChunkRef(tail[0] // bpc, block_hash_hex(req.block_hashes[tail[1] - 1]),
-                                   tr.block_ids[tail[0] : tail[1]]))
-            tr.tail_saved_end = tail[1]
+        pin = -1
+        if self.ctx.hybrid:
+            bounds = self._bounds(req, limit)
+            chunks, pin = self._hybrid_saves(req, tr, bounds)
+            if chunks:
+                tr.next_save_block = bounds[chunks[-1].index][1]
+        else:
+            nblocks = len(tr.block_ids)
+            chunks = [
+                ChunkRef(i, block_hash_hex(req.block_hashes[b0 + bpc - 1]), tr.block_ids[b0 : b0 + bpc])
+                for i, b0 in enumerate(range(0, full_blocks - bpc + 1, bpc))
+                if b0 >= tr.next_save_block and b0 + bpc <= nblocks
+            ]
+            if chunks:
+                tr.next_save_block = (chunks[-1].index + 1) * bpc
+            tail = (tr.next_save_block, full_blocks)
+            if (
+                not self.ctx.config.discard_partial_chunks
+                and not tr.tail_saved_end
+                and tokens_done >= req.num_prompt_tokens  # prefill done: the prompt's own tail
+                and 0 < tail[1] - tail[0] < bpc
+                and tail[1] <= nblocks
+            ):
+                # The trailing run of full blocks, as its own object (discard_partial_chunks
+                # false). next_save_block stays on the chunk boundary: the full chunk
+                # that covers this tail later (decode) is still saved.
+                chunks.append(ChunkRef(tail[0] // bpc, block_hash_hex(req.block_hashes[tail[1] - 1]),
+                                       tr.block_ids[tail[0] : tail[1]]))
+                tr.tail_saved_end = tail[1]
         if not chunks:
             return
         if self._admission.active:
@@ -315,8 +345,8 @@ class AscendStoreScheduler:
             if not chunks:
                 return
         tr.saves_planned = True
-        meta.saves.append(SaveSpec(req.request_id, tr.tenant, chunks))
-        if self.events is not None:
+        meta.saves.append(SaveSpec(req.request_id, tr.tenant, chunks, pin))
+        if self.events is not None and not self.ctx.hybrid:  # (events: one object per chunk)
             self.events.planned(req, tr.tenant, chunks, bpc)
 
     def _admit(self, tr: _Tracker, chunks: list[ChunkRef]) -> list[ChunkRef]:
@@ -326,6 +356,24 @@ class AscendStoreScheduler:
         if st.refused_hits or st.refused_budget:
             self.metrics.add(save_skipped_admission=st.refused_hits, save_skipped_budget=st.refused_budget)
         return chunks[:n]
+
+    def _hybrid_saves(self, req: Request, tr: _Tracker, bounds: list[tuple[int, int]]) -> tuple[list[ChunkRef], int]:
+        """Per-group refs of the new chunks; sliding-window blocks pinned until stored."""
+        hashes = [block_hash_hex(req.block_hashes[b1 - 1]) if b0 >= tr.next_save_block else ""
+                  for b0, b1 in bounds]
+        chunks = save_refs(self.ctx.groups, bounds, hashes, tr.group_ids, tr.next_save_block, self._null_block())
+        sliding = {p.index for p in self.ctx.groups if p.kind == "sliding"}
+        held = [b for c in chunks if c.group in sliding for b in c.block_ids]
+        if not held:
+            return chunks, -1
+        if self.pins.block_pool is None:
+            # Without vLLM's block pool nothing keeps these blocks for the save: skip them.
+            return [c for c in chunks if c.group not in sliding], -1
+        return chunks, self.pins.pin(req.request_id, held)
+
+    def _null_block(self) -> int:
+        pool = self.pins.block_pool
+        return pool.null_block.block_id if pool is not None else 0
 
     def _count_hits(self, tr: _Tracker, num_external_tokens: int) -> None:
         """Hits by tier (device prefix cache, pool) and pool hits by tenant, once
@@ -351,6 +399,9 @@ class AscendStoreScheduler:
             # After the landed keys: a request's saves report done on every rank
             # no earlier than the keys they stored.
             self.events.requests_done(connector_output.finished_sending or ())
+        wmeta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if wmeta is not None and getattr(wmeta, "pins_done", None):
+            self.pins.reported(wmeta.pins_done)
         invalid = connector_output.invalid_block_ids
         if invalid:
             for req_id, (_, chunks) in self._inflight_loads.items():

@@ -27,7 +27,7 @@ from ascendstore.registry import create_backend
 from ascendstore_vllm.context import ConnectorContext
 from ascendstore_vllm.device import DeviceSync, HostStaging
 from ascendstore_vllm.lookup_rpc import LookupServer
-from ascendstore_vllm.metadata import AscendStoreMetadata, LoadSpec, SaveSpec
+from ascendstore_vllm.metadata import AscendStoreMetadata, AscendStoreWorkerMeta, LoadSpec, SaveSpec
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -123,6 +123,11 @@ class AscendStoreWorker:
         self._geom: tuple[tuple[int, int, tuple[tuple[int, int], ...], int], ...] = ()
         self._layer_bytes: list[int] = []
         self._chunk_bytes = 0
+        #: hybrid models: geometry and bytes per block of each KV cache group's layers
+        self._group_geom: list[tuple[tuple[int, int, tuple[tuple[int, int], ...], int], ...]] = []
+        self._group_bytes: list[int] = []
+        #: saves whose blocks the scheduler pinned: reported once no longer pending
+        self._pins: list[tuple[str, int]] = []
         self._meta: AscendStoreMetadata | None = None
         self._async_loads: set[str] = set()
         self._recv_done: set[str] = set()
@@ -166,6 +171,12 @@ class AscendStoreWorker:
         self._region_cache.clear()
         self._layer_bytes = [lay.block_bytes for lay in self.layout.layers]
         self._chunk_bytes = sum(self._layer_bytes)
+        if self.ctx.hybrid:
+            # A group's object holds only its own layers (groups' views may alias one buffer).
+            geom_by_name = {lay.name: g for lay, g in zip(self.layout.layers, self._geom, strict=True)}
+            self._group_geom = [tuple(geom_by_name[n] for n in p.layer_names) for p in self.ctx.groups]
+            self._group_bytes = [sum(self._layer_bytes[self.layout.index[n]] for n in p.layer_names)
+                                 for p in self.ctx.groups]
         # Room for one block of any layer: the landing spot for chunk blocks the
         # device already holds (a chunk object is read whole). Same device as the
         # KV so a backend reading device memory gets one kind of region.
@@ -183,25 +194,27 @@ class AscendStoreWorker:
         )
 
     # -- plan -> ops -------------------------------------------------------------------
-    def _regions(self, block_ids: list[int], layer: int | None) -> list[Region]:
+    def _regions(self, block_ids: list[int], layer: int | None, group: int | None = None) -> list[Region]:
         """Regions of a chunk object, cached: vLLM reuses a bounded set of block
         ids, so the same few lists serve every transfer (the lists are never mutated)."""
-        key = (tuple(block_ids), layer)
-        regions = self._region_cache.get(key)
+        key = (tuple(block_ids), layer) if group is None else (tuple(block_ids), layer, group)
+        regions = self._region_cache.get(key)  # type: ignore[arg-type]
         if regions is None:
-            regions = self._build_regions(block_ids, layer)
+            regions = self._build_regions(block_ids, layer, group)
             if len(self._region_cache) >= REGION_CACHE_ENTRIES:
                 self._region_cache.clear()
             self._region_cache[key] = regions
         return regions
 
-    def _build_regions(self, block_ids: list[int], layer: int | None) -> list[Region]:
+    def _build_regions(self, block_ids: list[int], layer: int | None, group: int | None = None) -> list[Region]:
         """Regions of a chunk object: every layer (or one), each block in order.
 
         On the hot path of every transfer: plain loops over precomputed
         geometry (base, block stride, runs) instead of per-block helpers."""
         assert self.layout is not None and self._scratch is not None
         geom = self._geom if layer is None else (self._geom[layer],)
+        if group is not None:
+            geom = self._group_geom[group]
         scratch = self._scratch.data_ptr()
         out: list[Region] = []
         append = out.append
@@ -228,8 +241,15 @@ class AscendStoreWorker:
 
     def _ops(self, spec: LoadSpec | SaveSpec, layer: int | None, writer_only: bool = False) -> list[ChunkOp]:
         ops = []
+        hybrid = self.ctx.hybrid
         for c in spec.chunks:
             if writer_only and not self.ctx.replicas.writes(c.index):
+                continue
+            if hybrid:  # one object per chunk and KV cache group (groups.py); never layerwise
+                ops.append(ChunkOp(self.keys.group_key(c.group, spec.tenant, c.chunk_hash), [],  # type: ignore[attr-defined]
+                                   [b for b in c.block_ids if b >= 0], c.index, None,
+                                   len(c.block_ids) * self._group_bytes[c.group],
+                                   partial(self._regions, c.block_ids, None, c.group)))
                 continue
             nbytes = len(c.block_ids) * (self._chunk_bytes if layer is None else self._layer_bytes[layer])
             ops.append(ChunkOp(self.keys.key(spec.tenant, c.chunk_hash, layer), [],
@@ -339,6 +359,8 @@ class AscendStoreWorker:
         before = self._ready_hook()
         inline = self._inline_saves(meta)
         for spec in meta.saves:
+            if spec.pin >= 0:
+                self._pins.append((spec.req_id, spec.pin))
             ops = self._ops(spec, None, writer_only=True)
             skipped = len(spec.chunks) - len(ops)
             if skipped:
@@ -394,6 +416,16 @@ class AscendStoreWorker:
         """Keys of this worker's saves now in the pool (put OK, or found there and
         skipped) since the last call: sent back in the step's worker meta."""
         return set(self.engine.take_landed())
+
+    def worker_meta(self) -> AscendStoreWorkerMeta | None:
+        """Pinned saves done on this worker (the scheduler unpins their blocks)."""
+        if not self._pins:
+            return None
+        done = [p for p in self._pins if not self.engine.pending("save", p[0])]
+        if not done:
+            return None
+        self._pins = [p for p in self._pins if p not in done]
+        return AscendStoreWorkerMeta(pins_done={p: 1 for p in done})
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

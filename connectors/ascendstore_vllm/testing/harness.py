@@ -284,7 +284,7 @@ class EngineHarness:
             max_tp_shards=1 if spec.replicated_kv else spec.tp_size,
         )
         names = [f"model.layers.{i}.self_attn.attn" for i in range(spec.num_layers)]
-        specs = [{n: layer_spec for n in names} for _ in range(spec.tp_size)]
+        specs = [self.layer_specs(cfg, names, layer_spec) for _ in range(spec.tp_size)]
         from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 
         resolve_kv_cache_layout(cfg, [[spec.kv_cache_layout]] * spec.tp_size,
@@ -314,7 +314,7 @@ class EngineHarness:
         for r in range(spec.tp_size):
             rcfg = cfg if spec.tp_size == 1 else copy.deepcopy(cfg)
             rcfg.parallel_config.rank = r
-            self.workers.append(RankWorker(self, r, rcfg, kv_cfgs[r]))
+            self.workers.append(self.worker_class(self, r, rcfg, kv_cfgs[r]))
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
         self.aggregator = KVOutputAggregator.from_connector(self.workers[0].connector, spec.tp_size)
@@ -325,6 +325,13 @@ class EngineHarness:
         self.records: list[StepRecord] = []
         self.finished: list[str] = []
         self._computed: dict[str, int] = {}
+
+    #: the per-rank worker (a subclass may model other attention types)
+    worker_class = RankWorker
+
+    def layer_specs(self, vllm_config: Any, names: list[str], full_spec: Any) -> dict[str, Any]:
+        """Each layer's KV cache spec (one rank); a subclass may mix spec types."""
+        return {n: full_spec for n in names}
 
     # -- requests ------------------------------------------------------------------------
     @property

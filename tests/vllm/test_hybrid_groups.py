@@ -1,0 +1,339 @@
+"""Hybrid KV cache groups through the real vLLM 0.33 scheduler and worker lifecycle.
+
+The lean install has no platform that turns vLLM's hybrid KV cache manager on,
+so these engines turn it on by hand (``disable_hybrid_kv_cache_manager =
+False``) and give vLLM mixed layer specs: vLLM then groups the layers, allocates
+per-group block tables (null blocks below a sliding window) and hands the
+connector one block list per group, as on a GPU/NPU. The fake model writes and
+reads each layer through its own group's block table; a sliding-window layer
+checks exactly the positions of its window (what vLLM keeps), a full layer every
+earlier position.
+
+Also: start-up refusals (recurrent state, unknown spec types, layerwise/GR with
+hybrid groups) naming the model's group types, and MLA (vLLM's MLAAttentionSpec,
+identical on every TP rank): one writer per chunk, every rank loads.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from ascendstore_vllm.testing import EngineHarness, EngineSpec
+from ascendstore_vllm.testing.harness import RankWorker
+from conftest import pool_config
+
+from ascendstore.errors import ConfigError
+
+BS = 16
+WINDOW = 24  # 2 blocks of 16 hold the window of a token at a block boundary
+PROMPT = [(7 * i + 5) % 911 for i in range(10 * BS + 5)]  # 10 full blocks
+PROMPT_B = PROMPT[: 8 * BS] + [3, 1, 4, 1, 5, 9, 2, 6]  # shares 8 blocks = 2 chunks of 4
+
+
+class HybridWorker(RankWorker):
+    """Writes/reads each layer through its KV cache group's block table."""
+
+    def __init__(self, engine, rank, vllm_config, kv_cache_config) -> None:
+        super().__init__(engine, rank, vllm_config, kv_cache_config)
+        self.group_of: dict[str, int] = {}
+        self.window_of: dict[str, int | None] = {}
+        for gi, g in enumerate(kv_cache_config.kv_cache_groups):
+            for n in g.layer_names:
+                self.group_of[n] = gi
+                self.window_of[n] = getattr(g.kv_cache_spec, "sliding_window", None)
+
+    def _forward(self, work) -> None:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        conn = get_kv_transfer_group()
+        for layer, name in enumerate(self.layer_names):
+            conn.wait_for_layer_load(name)
+            t = self.kv_caches[name]
+            for req_id, tokens, _, start, end in work:
+                ids = self.engine.group_ids[req_id][self.group_of[name]]
+                win = self.window_of[name]
+                lo = 0 if win is None else max(0, start - win + 1)
+                if start > lo and self.engine.check_reads:
+                    pos = torch.arange(lo, start)
+                    blocks = torch.tensor([ids[int(i)] for i in pos // BS], dtype=torch.long)
+                    got = t[blocks, :, pos % BS, :]
+                    want = self.expected(tokens, lo, start, layer)
+                    bad = (got != want).flatten(1).any(1).nonzero().flatten().tolist()
+                    self.read_errors.extend((req_id, layer, lo + int(p)) for p in bad[:4])
+                pos = torch.arange(start, end)
+                blocks = torch.tensor([ids[int(i)] for i in pos // BS], dtype=torch.long)
+                t[blocks, :, pos % BS, :] = self.expected(tokens, start, end, layer)
+            conn.save_kv_layer(name, t, None)
+
+
+class HybridHarness(EngineHarness):
+    """layer_types: "full" / "sliding" per layer, HMA on."""
+
+    worker_class = HybridWorker
+    layer_types: tuple[str, ...] = ("sliding", "full", "sliding", "full")
+    window = WINDOW
+
+    def __init__(self, spec: EngineSpec, **kw: Any) -> None:
+        self.group_ids: dict[str, list[list[int]]] = {}
+        super().__init__(spec, **kw)
+
+    def layer_specs(self, vllm_config, names, full_spec):
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+        vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+        sw = SlidingWindowSpec(block_size=full_spec.block_size, num_kv_heads=full_spec.num_kv_heads,
+                               head_size=full_spec.head_size, dtype=full_spec.dtype,
+                               sliding_window=self.window, max_tp_shards=full_spec.max_tp_shards)
+        return {n: (sw if kind == "sliding" else full_spec) for n, kind in zip(names, self.layer_types, strict=True)}
+
+    def _track(self, so) -> None:
+        super()._track(so)
+        for new in so.scheduled_new_reqs:
+            self.group_ids[new.req_id] = [list(ids) for ids in new.block_ids]
+        c = so.scheduled_cached_reqs
+        for i, r in enumerate(c.req_ids):
+            ids = c.new_block_ids[i]
+            if r in c.resumed_req_ids:
+                self.group_ids[r] = [list(x) for x in ids] if ids else []
+            elif ids:
+                for have, more in zip(self.group_ids[r], ids, strict=True):
+                    have.extend(more)
+
+    def snapshot(self, req_id: str) -> None:
+        pass  # sliding-window blocks are gone by then; reads are checked step by step
+
+
+class AllSliding(HybridHarness):
+    layer_types = ("sliding", "sliding", "sliding", "sliding")
+
+
+def objects(root: str) -> dict[str, int]:
+    return {f: os.path.getsize(os.path.join(root, f)) for f in os.listdir(root) if not f.startswith(".")}
+
+
+def _spec(root: str, **extra) -> EngineSpec:
+    # max_model_len 512: the harness sizes memory for full attention; HMA's sliding
+    # groups need less per layer but vLLM checks one max-length request fits.
+    return EngineSpec(extra_config=pool_config(root, chunk_size=4 * BS, **extra), num_layers=4, block_size=BS,
+                      num_blocks=96, max_model_len=512, max_num_batched_tokens=256)
+
+
+# 2 KV heads x (K+V) x head 16 x fp16 = 128 B per token and layer
+BLOCK_LAYER = 2 * 2 * 16 * 2 * BS
+
+
+@pytest.mark.parametrize("harness,full,sliding", [(HybridHarness, 2, 2), (AllSliding, 0, 4)])
+def test_hybrid_groups_pool_window_blocks_only_and_resume_exactly(pool_root, harness, full, sliding):
+    a = harness(_spec(pool_root))
+    try:
+        groups = a.kv_cache_config.kv_cache_groups
+        assert {type(g.kv_cache_spec).__name__ for g in groups} == (
+            {"SlidingWindowSpec", "FullAttentionSpec"} if full else {"SlidingWindowSpec"})
+        assert type(a.connector).__name__ == "AscendStoreConnector"
+        a.add_request("a", PROMPT)
+        a.run()
+        assert a.read_errors() == []
+        pins = a.connector.scheduler.pins
+        assert pins.pinned_total == 2 * 2, "each chunk's 2 window blocks were held while saved"
+        assert pins.held_blocks == 0, "every sliding-window block pinned for a save was given back"
+        assert a.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == a.kv_cache_config.num_blocks - 1
+    finally:
+        a.close()
+    objs = objects(pool_root)
+    # 10 full blocks = 2 chunks of 4 blocks; one object per chunk and group, each with its group's layers only.
+    ngroups = len(groups)
+    assert len(objs) == 2 * ngroups
+    fps = {n.split("@")[2] for n in objs}
+    assert len(fps) == ngroups, "each group has its own fingerprint"
+    sizes = sorted(objs.values())
+    per_group_layers = 2 if full else 4
+    if full:
+        # full group: 4 blocks x 2 layers; sliding group: the last 2 blocks (window 24 / 16) x 2 layers
+        assert sizes == [2 * 2 * BLOCK_LAYER] * 2 + [4 * 2 * BLOCK_LAYER] * 2
+    else:
+        assert sizes == [2 * per_group_layers * BLOCK_LAYER] * 2
+    stored = sum(sizes)
+    every_block = 2 * 4 * 4 * BLOCK_LAYER
+    print(f"{harness.__name__}: stored {stored} B of {every_block} B a full-attention pool would hold")
+
+    # A second engine (fresh device cache) resumes B after the 2 shared chunks from the pool.
+    b = harness(_spec(pool_root))
+    try:
+        b.add_request("b", PROMPT_B)
+        b.run()
+        assert b.first_schedule("b") == (8 * BS, len(PROMPT_B) - 8 * BS)
+        assert b.read_errors() == [], "a window or full-attention position was not restored exactly"
+        st = b.stats_total()
+        # full layers: 2 chunks x 4 blocks; sliding: only the last chunk's 2 window blocks
+        assert st["load_bytes"] == BLOCK_LAYER * (full * 8 + sliding * 2)
+    finally:
+        b.close()
+
+
+def test_other_window_is_another_fingerprint(pool_root):
+    a = HybridHarness(_spec(pool_root))
+    try:
+        a.add_request("a", PROMPT)
+        a.run()
+    finally:
+        a.close()
+
+    class Wider(HybridHarness):
+        window = 40
+
+    b = Wider(_spec(pool_root))
+    try:
+        b.add_request("b", PROMPT_B)
+        b.run()
+        assert b.first_schedule("b")[0] == 0, "KV of a model with another window was served"
+        assert b.read_errors() == []
+    finally:
+        b.close()
+
+
+def _context(kv_cache_groups, **extra):
+    """ConnectorContext.from_vllm (what both roles run at start-up) for these groups."""
+    from ascendstore_vllm.context import ConnectorContext
+    from ascendstore_vllm.testing.harness import build_vllm_config
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    cfg = build_vllm_config(EngineSpec(extra_config={"backend": "local", **extra}))
+    return ConnectorContext.from_vllm(cfg, KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                                                         kv_cache_groups=kv_cache_groups))
+
+
+def _attn(cls_name: str, **kw):
+    import vllm.v1.kv_cache_interface as kvi
+
+    return getattr(kvi, cls_name)(block_size=BS, num_kv_heads=2, head_size=16, dtype=torch.float16, **kw)
+
+
+def test_mamba_groups_refused_naming_the_group_types():
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec
+
+    mamba = MambaSpec(block_size=BS, shapes=((4, 8), (2, 4, 8)), dtypes=(torch.float16, torch.float16))
+    groups = [KVCacheGroupSpec(["l0", "l1"], _attn("FullAttentionSpec")), KVCacheGroupSpec(["l2", "l3"], mamba)]
+    with pytest.raises(ConfigError) as e:
+        _context(groups)
+    msg = str(e.value)
+    assert "0:FullAttentionSpec(2 layers), 1:MambaSpec(2 layers)" in msg
+    assert "group 1 is MambaSpec" in msg and "recurrent state" in msg
+
+
+def test_unknown_group_type_refused_naming_it():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+    class FancyAttentionSpec(FullAttentionSpec):
+        pass
+
+    spec = FancyAttentionSpec(block_size=BS, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    with pytest.raises(ConfigError, match="group 0 is FancyAttentionSpec: a KV cache spec type AscendStore does not know"):
+        _context([KVCacheGroupSpec(["l0"], spec)])
+
+
+def test_chunked_local_attention_refused():
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec(["l0"], _attn("ChunkedLocalAttentionSpec", attention_chunk_size=64))]
+    with pytest.raises(ConfigError, match="ChunkedLocalAttentionSpec"):
+        _context(groups)
+
+
+@pytest.mark.parametrize("extra,what", [({"use_layerwise": True}, "use_layerwise"),
+                                        ({"gr": {"enabled": True}}, "gr.enabled")])
+def test_hybrid_groups_refuse_unsupported_modes(extra, what):
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec(["l0"], _attn("FullAttentionSpec")),
+              KVCacheGroupSpec(["l1"], _attn("SlidingWindowSpec", sliding_window=WINDOW))]
+    with pytest.raises(ConfigError, match=what):
+        _context(groups, **extra)
+
+
+def test_single_full_group_keys_unchanged():
+    """A plain model's keys do not change with HMA support (existing pools stay valid)."""
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    ctx = _context([KVCacheGroupSpec(["l0", "l1"], _attn("FullAttentionSpec"))])
+    assert not ctx.hybrid
+    assert ctx.fingerprint.group == ""
+    assert ctx.key_builder().fingerprint == ctx.fingerprint.digest()
+
+
+class MLAHarness(EngineHarness):
+    """Layers with vLLM's MLAAttentionSpec (one latent per token, identical on every rank)."""
+
+    def layer_specs(self, vllm_config, names, full_spec):
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+        mla = MLAAttentionSpec(block_size=full_spec.block_size, num_kv_heads=1, head_size=32,
+                               dtype=full_spec.dtype, max_tp_shards=1)
+        return {n: mla for n in names}
+
+
+def test_mla_one_writer_per_chunk_every_rank_loads(pool_root):
+    spec = EngineSpec(extra_config=pool_config(pool_root), tp_size=2, replicated_kv=True, num_kv_heads=1,
+                      head_size=32, block_size=BS)
+    a = MLAHarness(spec)
+    try:
+        assert type(a.kv_cache_config.kv_cache_groups[0].kv_cache_spec).__name__ == "MLAAttentionSpec"
+        assert a.kv_cache_config.kv_tp_replicas == 2
+        a.add_request("a", PROMPT)
+        a.run()
+        assert a.read_errors() == []
+        per_rank = [w.connector.worker.metrics.totals() for w in a.workers]
+    finally:
+        a.close()
+    names = objects(pool_root)
+    assert len(names) == 10 and all("@h0p0c0d0@" in n for n in names), "one object per chunk for both ranks"
+    assert [m["save_ops"] for m in per_rank] == [5, 5], "exactly one writer per chunk, alternating"
+    b = MLAHarness(spec)
+    try:
+        b.add_request("b", PROMPT_B)
+        b.run()
+        assert b.first_schedule("b") == (8 * BS, len(PROMPT_B) - 8 * BS)
+        assert b.read_errors() == []
+        assert [w.connector.worker.metrics.totals()["load_ops"] for w in b.workers] == [8, 8], "every rank loads"
+    finally:
+        b.close()
+
+
+def _race(pool_root, pin: bool, monkeypatch) -> list:
+    """Slow puts while vLLM frees window blocks mid-request and another request
+    takes them: the pool must still hold the right window KV."""
+    from ascendstore_vllm.groups import SlidingPins
+
+    if not pin:  # the wrong thing: save window blocks without holding them
+        monkeypatch.setattr(SlidingPins, "pin", lambda self, req_id, ids: -1)
+    spec = EngineSpec(extra_config=pool_config(pool_root, chunk_size=BS, backend_config={"put_delay_s": 0.05}),
+                      num_layers=4, block_size=BS, num_blocks=40, max_model_len=512, max_num_batched_tokens=32)
+    other = [(13 * i + 2) % 907 for i in range(12 * BS)]
+    a = AllSliding(spec)
+    try:
+        a.add_request("a", PROMPT)
+        a.add_request("c", other)
+        a.run()
+        assert a.read_errors() == []
+    finally:
+        a.close()
+    b = AllSliding(EngineSpec(extra_config=pool_config(pool_root, chunk_size=BS), num_layers=4, block_size=BS,
+                              num_blocks=40, max_model_len=512))
+    try:
+        b.add_request("b", PROMPT_B)
+        b.run()
+        assert b.first_schedule("b")[0] == 8 * BS
+        return b.read_errors()
+    finally:
+        b.close()
+
+
+def test_window_blocks_freed_mid_request_are_held_until_saved(pool_root, monkeypatch):
+    assert _race(pool_root, True, monkeypatch) == []
+
+
+def test_unheld_window_blocks_would_store_wrong_kv(pool_root, monkeypatch):
+    """Proves the race the pins prevent is real in this scenario."""
+    assert _race(pool_root, False, monkeypatch) != []
