@@ -53,6 +53,27 @@ def _garbage_in_blocks(eng: EngineHarness) -> int:
                for t in w.kv_caches.values())
 
 
+class GarbageWatch:
+    """Scans vLLM's KV tensors for the late-garbage pattern every few ms on a thread,
+    so garbage written into a free block is seen before a later prefill overwrites it."""
+
+    def __init__(self, eng: EngineHarness) -> None:
+        import threading
+
+        self.eng, self.seen, self._stop = eng, 0, threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.seen += _garbage_in_blocks(self.eng)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join()
+        return self.seen + _garbage_in_blocks(self.eng)
+
+
 def _read_errors(eng: EngineHarness, tags: tuple[str, ...] = ()) -> list:
     # (The harness drops reads of steps vLLM discarded for a failed load.)
     return [e for e in eng.read_errors() if not tags or e[0].startswith(tags)]
@@ -68,18 +89,18 @@ def test_late_get_never_writes_vllm_blocks(mode):
         ps = prompts(4, seed=11)
         _serve(eng, ps, "w")
         assert eng.scheduler.reset_prefix_cache()
+        watch = GarbageWatch(eng)
         _set(hang_s={"get": HANG_S}, late_garbage=True)
         _serve(eng, ps, "r")  # every load overruns: recomputed
         _set(hang_s={})
         # Keep vLLM reusing blocks while the hung gets wake up and scribble.
         end = time.monotonic() + HANG_S + 0.3
-        k = seen = 0
+        k = 0
         while time.monotonic() < end:
             _serve(eng, prompts(3, seed=100 + k), f"x{k}-", max_tokens=4)
-            seen += _garbage_in_blocks(eng)
             k += 1
         time.sleep(0.1)
-        seen += _garbage_in_blocks(eng)
+        seen = watch.stop()
         _serve(eng, ps, "z")  # the fast path is back: loads hit and are exact
         injected = sum(b.injected["late_garbage"] for b in live_backends())
         stats = eng.stats_total()
@@ -150,3 +171,42 @@ def test_late_put_holds_blocks_until_it_ends(mode):
         if b is not None:
             b.close()
         a.close()
+
+
+def test_gr_late_get_never_writes_vllm_blocks():
+    """GR swap-ins from a backend that may outlive its deadline land in buffers of
+    their own: a hung get's late garbage never reaches vLLM's blocks."""
+    name = pool_name("own-gr")
+    extra = faulty_extra(name, checksum=False, timeout_ms=TIMEOUT_MS, gr={"enabled": True})
+    eng = EngineHarness(EngineSpec(extra_config=extra, num_blocks=96))
+    hist = prompts(3, blocks=5, tail=0, seed=31)
+    cands = prompts(12, blocks=1, tail=0, seed=32)
+
+    def ask(tag: str, k: int, max_tokens: int = 1) -> None:
+        for u, h in enumerate(hist):
+            eng.add_request(f"{tag}{u}", h + cands[(k + u) % len(cands)], max_tokens=max_tokens,
+                            extra_args={"uid": f"u{u}", "user_history_len": len(h)})
+        run_timed(eng)
+
+    try:
+        ask("w", 0)
+        assert eng.scheduler.reset_prefix_cache()
+        watch = GarbageWatch(eng)
+        _set(hang_s={"get": HANG_S}, late_garbage=True)
+        ask("r", 1)  # swap-ins overrun: recomputed
+        _set(hang_s={})
+        end = time.monotonic() + HANG_S + 0.3
+        k = 0
+        while time.monotonic() < end:
+            _serve(eng, prompts(3, seed=200 + k), f"x{k}-", max_tokens=4)
+            k += 1
+        time.sleep(0.1)
+        seen = watch.stop()
+        injected = sum(b.injected["late_garbage"] for b in live_backends())
+        assert injected >= 1, "the fault never fired: the test proves nothing"
+        assert seen == 0, "a late GR get wrote into vLLM's blocks"
+        assert _read_errors(eng) == []
+        report("ownership_late_get_gr", late_writes=injected, reuse_rounds=k)
+    finally:
+        _set(hang_s={}, late_garbage=False)
+        eng.close()

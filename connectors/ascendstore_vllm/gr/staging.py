@@ -32,12 +32,23 @@ def _runs(span: BlockSpan) -> list[Region]:
     return [span] if isinstance(span, Region) else list(span)
 
 
+#: landing buffers a call still running may use; past this, transfers fail fast.
+MAX_LENT = 4
+
+
 class GRStaging:
-    def __init__(self, kv_caches: dict[str, torch.Tensor], capacity: int) -> None:
+    def __init__(self, kv_caches: dict[str, torch.Tensor], capacity: int,
+                 late_calls: Callable[[], bool] | None = None) -> None:
         self.host = HostStaging(kv_caches, capacity)
         self.capacity = capacity
         self._locks = {"save": threading.Lock(), "load": threading.Lock()}
         self._warned = False
+        #: with a backend whose calls may outlive their deadline: True while some call
+        #: may still be running. Each transfer then gets a buffer of its own, kept
+        #: until no call is late, so a late get never lands in vLLM's blocks or in a
+        #: buffer reused by the next transfer, and a late put never reads one.
+        self._late_calls = late_calls
+        self._lent: list[torch.Tensor] = []
 
     def host_regions(self) -> list[Region]:
         """The staging buffers (to register with backends that need it)."""
@@ -64,7 +75,20 @@ class GRStaging:
             out.append(row)
         return out, flat
 
-    def _buffer(self, which: str, nbytes: int) -> torch.Tensor:
+    def _own_buffer(self, nbytes: int) -> torch.Tensor | None:
+        """A fresh buffer for one transfer (None: all spares held by stuck calls)."""
+        assert self._late_calls is not None
+        if not self._late_calls():
+            self._lent.clear()
+        if len(self._lent) >= MAX_LENT:
+            return None
+        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        self._lent.append(buf)
+        return buf
+
+    def _buffer(self, which: str, nbytes: int) -> torch.Tensor | None:
+        if self._late_calls is not None:
+            return self._own_buffer(nbytes)
         buf = self.host.save_buf if which == "save" else self.host.load_buf
         if nbytes <= buf.numel():
             return buf
@@ -85,6 +109,8 @@ class GRStaging:
         """Stage the device blocks out, then ``write`` the host copy."""
         with self._locks["save"]:
             buf = self._buffer("save", self._nbytes(layer_blocks))
+            if buf is None:
+                return Status.TIMEOUT
             spans, flat = self._layout(layer_blocks, buf)
             self.host.copy_regions(flat, buf, to_host=True)
             return write(spans)
@@ -93,6 +119,8 @@ class GRStaging:
         """``read`` into the host buffer, then copy to the device blocks if it succeeded."""
         with self._locks["load"]:
             buf = self._buffer("load", self._nbytes(layer_blocks))
+            if buf is None:
+                return Status.TIMEOUT
             spans, flat = self._layout(layer_blocks, buf)
             st = read(spans)
             if st is Status.OK:

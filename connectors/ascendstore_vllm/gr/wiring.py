@@ -184,8 +184,13 @@ class GRAttachment:
 
         assert self.worker is not None
         device = next(iter(kv_caches.values())).device
-        if (device.type != "cpu" or self.force_staging) and not self.store.caps.device_memory:
-            self.staging = GRStaging(kv_caches, self.ctx.config.staging_buffer_bytes)
+        guard = self.store.backend
+        # A backend whose calls may outlive their deadline never gets vLLM's blocks:
+        # GR objects go through connector-owned buffers (docs/failure-semantics.md).
+        direct = bool(getattr(guard, "direct", True))
+        late = None if direct else (lambda: guard.stuck_calls > 0 or not guard.backend.quiescent())
+        if ((device.type != "cpu" or self.force_staging) and not self.store.caps.device_memory) or not direct:
+            self.staging = GRStaging(kv_caches, self.ctx.config.staging_buffer_bytes, late)
             self.worker.staging = self.staging
             if self.store.caps.needs_registration:
                 st = self.store.backend.register(self.staging.host_regions())
