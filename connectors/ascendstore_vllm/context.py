@@ -60,20 +60,6 @@ def check_hash_determinism(hash_algo: str, env: Any) -> None:
             "PYTHONHASHSEED on every node, or use prefix_caching_hash_algo 'sha256' / 'sha256_cbor'."
         )
 
-def _check_mla_platform() -> None:
-    """vLLM's CPU build cannot compute MLA over cached context: it turns prefix
-    caching off for MLA ("MLA is enabled on a non-GPU platform"), and a pool hit
-    there gives wrong tokens (measured: tests/real/test_mla_e2e.py). Refuse."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        raise ConfigError(
-            "AscendStoreConnector refuses MLA models on vLLM's CPU platform: vLLM's CPU MLA kernels cannot "
-            "compute over cached context (vLLM disables prefix caching for MLA there), so KV loaded from the "
-            "pool would give wrong tokens. MLA is supported on GPU/NPU platforms."
-        )
-
-
 @dataclass(frozen=True)
 class ConnectorContext:
     config: AscendStoreConfig
@@ -189,8 +175,6 @@ class ConnectorContext:
             replicas = max(1, int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1))
         if use_mla:
             replicas = pc.tensor_parallel_size
-        if use_mla:
-            _check_mla_platform()
         hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
         num_layers = int(getattr(hf, "num_hidden_layers", 0) or 0)
         if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
