@@ -74,6 +74,23 @@ class GarbageWatch:
         return self.seen + _garbage_in_blocks(self.eng)
 
 
+def _hung_gets_then_reuse(eng: EngineHarness, load, seed: int) -> tuple[int, int]:
+    """Run ``load`` with every get hung and scribbling late, keep vLLM reusing
+    blocks until the hung gets have woken, and return (garbage seen in vLLM's
+    blocks, reuse rounds)."""
+    watch = GarbageWatch(eng)
+    _set(hang_s={"get": HANG_S}, late_garbage=True)
+    load()  # every load overruns: recomputed
+    _set(hang_s={})
+    end = time.monotonic() + HANG_S + 0.3
+    k = 0
+    while time.monotonic() < end:
+        _serve(eng, prompts(3, seed=seed + k), f"x{k}-", max_tokens=4)
+        k += 1
+    time.sleep(0.1)
+    return watch.stop(), k
+
+
 def _read_errors(eng: EngineHarness, tags: tuple[str, ...] = ()) -> list:
     # (The harness drops reads of steps vLLM discarded for a failed load.)
     return [e for e in eng.read_errors() if not tags or e[0].startswith(tags)]
@@ -89,18 +106,7 @@ def test_late_get_never_writes_vllm_blocks(mode):
         ps = prompts(4, seed=11)
         _serve(eng, ps, "w")
         assert eng.scheduler.reset_prefix_cache()
-        watch = GarbageWatch(eng)
-        _set(hang_s={"get": HANG_S}, late_garbage=True)
-        _serve(eng, ps, "r")  # every load overruns: recomputed
-        _set(hang_s={})
-        # Keep vLLM reusing blocks while the hung gets wake up and scribble.
-        end = time.monotonic() + HANG_S + 0.3
-        k = 0
-        while time.monotonic() < end:
-            _serve(eng, prompts(3, seed=100 + k), f"x{k}-", max_tokens=4)
-            k += 1
-        time.sleep(0.1)
-        seen = watch.stop()
+        seen, k = _hung_gets_then_reuse(eng, lambda: _serve(eng, ps, "r"), 100)
         _serve(eng, ps, "z")  # the fast path is back: loads hit and are exact
         injected = sum(b.injected["late_garbage"] for b in live_backends())
         stats = eng.stats_total()
@@ -191,17 +197,7 @@ def test_gr_late_get_never_writes_vllm_blocks():
     try:
         ask("w", 0)
         assert eng.scheduler.reset_prefix_cache()
-        watch = GarbageWatch(eng)
-        _set(hang_s={"get": HANG_S}, late_garbage=True)
-        ask("r", 1)  # swap-ins overrun: recomputed
-        _set(hang_s={})
-        end = time.monotonic() + HANG_S + 0.3
-        k = 0
-        while time.monotonic() < end:
-            _serve(eng, prompts(3, seed=200 + k), f"x{k}-", max_tokens=4)
-            k += 1
-        time.sleep(0.1)
-        seen = watch.stop()
+        seen, k = _hung_gets_then_reuse(eng, lambda: ask("r", 1), 200)
         injected = sum(b.injected["late_garbage"] for b in live_backends())
         assert injected >= 1, "the fault never fired: the test proves nothing"
         assert seen == 0, "a late GR get wrote into vLLM's blocks"
