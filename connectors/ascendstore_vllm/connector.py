@@ -208,6 +208,17 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
             recving = (set(recving or ()) | gr_recving) or None
         return sending, recving
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM >= 0.32: finished sends and receives, and the receives that failed
+        (hybrid models report failures per request: vLLM maps block-level errors
+        back to requests only with one KV cache group)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self.worker.take_failed_recving() if self.worker is not None else set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                          failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors = self.worker.take_load_errors() if self.worker is not None else set()
         if self.gr is not None:

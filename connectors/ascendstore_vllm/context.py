@@ -9,11 +9,12 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ascendstore.config import AscendStoreConfig, load_config
-from ascendstore.engine import KeyBuilder, ReplicaGroup
+from ascendstore.engine import KeyBuilder, PoolLookup, ReplicaGroup
 from ascendstore.errors import ConfigError
 from ascendstore.keys import KVFingerprint, RankPart, model_key_name, tenant_id
 from ascendstore_vllm.groups import (
     GroupedKeyBuilder,
+    GroupLookup,
     GroupPlan,
     describe_groups,
     group_fingerprint_extra,
@@ -120,6 +121,13 @@ class ConnectorContext:
             num_layers=self.num_layers,
             all_ranks=all_ranks,
         )
+
+    def pool_lookup(self, guard: Any, timeout_s: float) -> Any:
+        """The chunk lookup over ``guard``: per group for hybrid models (groups.py)."""
+        if self.hybrid:
+            return GroupLookup(guard, self.key_builder(), self.groups, self.blocks_per_chunk,  # type: ignore[arg-type]
+                               timeout_s, partial_tail=not self.config.discard_partial_chunks)
+        return PoolLookup(guard, self.key_builder(), timeout_s)
 
     def tenant(self, cache_salt: str | None) -> str:
         return tenant_id(cache_salt or self.config.tenant)

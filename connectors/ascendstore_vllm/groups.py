@@ -18,11 +18,31 @@ What is pooled per group (``GroupPlan.kind``):
   every boundary; a load reads only the objects whose blocks reach into the
   window of the hit's end.
 
+* ``state`` (MambaSpec in vLLM's ``mamba_cache_mode='align'``, i.e. prefix
+  caching on: Mamba/Mamba2 and linear attention such as Qwen3-Next's gated delta
+  net): vLLM keeps a layer's recurrent state (conv + SSM) in the block of the
+  position it was taken at; block ``p`` holds the state after ``(p + 1) *
+  block_size`` tokens, and only where a scheduler step ended (or a prefill
+  checkpoint was written): the other blocks are vLLM's null block. A request
+  resumed at chunk boundary H needs exactly one state, the one at H. So a chunk's
+  object holds its last block's state, saved only where vLLM kept one (a chunk
+  boundary vLLM skipped has no state object, and a lookup cannot stop there);
+  the load writes it into the block of the hit's last position, from which vLLM
+  copies the state forward when the request resumes. That copy runs before the
+  step's forward, i.e. before a synchronous load would land, so loads of models
+  with state groups are always asynchronous. ``mamba_cache_mode='none'`` (prefix
+  caching off) keeps one running state per request and nothing at chunk
+  boundaries: refused.
+
+Lookups (``group_prefix_hits``) take the longest prefix every group can resume
+from: full groups need every chunk's object up to the hit, sliding groups only
+the objects reaching into the window at the hit, state groups only the hit's
+last chunk's object.
+
 Everything else is refused at start-up, naming the model's group types, rather
-than served wrong: recurrent state (MambaSpec: Mamba, linear attention) is one
-running state per request, not per-token KV at a chunk boundary; chunked local
-attention, cross/encoder attention, sink/R-SWA/hidden-state caches and any spec
-this module does not know have block semantics the pool does not model.
+than served wrong: chunked local attention, cross/encoder attention,
+sink/R-SWA/hidden-state caches and any spec this module does not know have block
+semantics the pool does not model.
 
 Specs are read by class name and attributes (no import of vLLM's spec classes),
 so one mapping serves every supported vLLM version.
@@ -46,12 +66,11 @@ SUPPORTED: dict[str, str] = {
     "FullAttentionSpec": "full",
     "MLAAttentionSpec": "full",
     "SlidingWindowSpec": "sliding",
+    "MambaSpec": "state",
 }
 
 #: why a known spec cannot be pooled (the rest: "not known to AscendStore").
 REFUSED: dict[str, str] = {
-    "MambaSpec": "recurrent state (Mamba / linear attention) is one running state per request, "
-                 "not per-token KV the pool can cut at chunk boundaries",
     "ChunkedLocalAttentionSpec": "chunked local attention frees blocks per attention chunk; not modelled",
     "SlidingWindowMLASpec": "sliding-window MLA (DeepSeek V4) is not modelled yet",
     "CrossAttentionSpec": "cross-attention KV depends on the encoder input, not the prompt prefix",
@@ -69,7 +88,7 @@ class GroupPlan:
     """One KV cache group as the pool sees it."""
 
     index: int
-    kind: str  # "full" | "sliding"
+    kind: str  # "full" | "sliding" | "state"
     spec_type: str
     layer_names: tuple[str, ...]
     block_size: int
@@ -81,20 +100,23 @@ class GroupPlan:
     def window_blocks(self) -> int:
         """Blocks before a chunk boundary B that vLLM keeps when a request resumes
         at B or at B - 1 (a whole-prompt hit recomputes the last prompt token):
-        the window of the token at B - 1 starts at B - sliding_window."""
+        the window of the token at B - 1 starts at B - sliding_window. A state
+        group keeps one block: the state at B."""
+        if self.kind == "state":
+            return 1
         if self.sliding_window is None:
             return 0
         return max(1, math.ceil(self.sliding_window / self.block_size))
 
     def stored_blocks(self, b0: int, b1: int) -> tuple[int, int]:
         """[first, end) block of chunk [b0, b1) that this group's object holds."""
-        if self.kind != "sliding":
+        if self.kind == "full":
             return b0, b1
         return max(b0, b1 - self.window_blocks()), b1
 
     def needed_blocks(self, hit_blocks: int) -> tuple[int, int]:
         """[first, end) blocks a request resumed after ``hit_blocks`` blocks needs."""
-        if self.kind != "sliding":
+        if self.kind == "full":
             return 0, hit_blocks
         return max(0, hit_blocks - self.window_blocks()), hit_blocks
 
@@ -102,7 +124,7 @@ class GroupPlan:
 def _spec_text(spec: Any) -> str:
     keys = ("block_size", "num_kv_heads", "head_size", "head_size_v", "dtype", "sliding_window",
             "kv_quant_mode", "cache_dtype_str", "page_size_padded", "num_head_slots", "tokens_per_state",
-            "model_version", "cache_role")
+            "model_version", "cache_role", "shapes", "dtypes", "mamba_type", "mamba_cache_mode")
     parts = [type(spec).__name__]
     for k in keys:
         v = getattr(spec, k, None)
@@ -130,12 +152,17 @@ def plan_groups(kv_cache_groups: Sequence[Any]) -> tuple[GroupPlan, ...]:
         spec = g.kv_cache_spec
         name = type(spec).__name__
         kind = SUPPORTED.get(name)
-        if kind is not None and getattr(spec, "tokens_per_state", 1) != 1:
+        if kind in ("full", "sliding") and getattr(spec, "tokens_per_state", 1) != 1:
             kind = None  # compressed states (DeepSeek V4 sparse MLA): not one state per token
         if kind is None:
             why = REFUSED.get(name, "a KV cache spec type AscendStore does not know")
             bad.append(f"group {i} is {name}: {why}")
             continue
+        if kind == "state":
+            why = _state_refusal(spec)
+            if why:
+                bad.append(f"group {i} is {name}: {why}")
+                continue
         window = getattr(spec, "sliding_window", None) if kind == "sliding" else None
         # FullAttentionSpec.sliding_window (HMA off): vLLM keeps every block, so it is "full".
         plans.append(GroupPlan(i, kind, name, tuple(g.layer_names), int(spec.block_size),
@@ -153,6 +180,22 @@ def plan_groups(kv_cache_groups: Sequence[Any]) -> tuple[GroupPlan, ...]:
         raise ConfigError(f"KV cache groups with different block sizes {sorted(block_sizes)} "
                           f"[{describe_groups(kv_cache_groups)}] are not supported")
     return tuple(plans)
+
+
+def _state_refusal(spec: Any) -> str | None:
+    """Why a MambaSpec group cannot be pooled exactly, or None."""
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "align":
+        return (f"mamba_cache_mode={mode!r} keeps one running state per request, none at chunk "
+                "boundaries (turn prefix caching on: vLLM then uses mamba_cache_mode 'align')")
+    if int(getattr(spec, "num_speculative_blocks", 0) or 0):
+        return "speculative-decoding state blocks are relocated mid-request; not modelled"
+    return None
+
+
+def has_state(plans: Sequence[GroupPlan]) -> bool:
+    """Whether a group keeps recurrent state (loads must then be asynchronous)."""
+    return any(p.kind == "state" for p in plans)
 
 
 def group_fingerprint_extra(plans: Sequence[GroupPlan], group: GroupPlan) -> str:
@@ -179,6 +222,91 @@ class GroupedKeyBuilder(KeyBuilder):
     def _lookup_prefixes(self, tenant: str) -> list[str]:
         ranks = self.all_ranks or (self.rank,)
         return [_key_prefix(tenant, fp, r, None) for fp in self.group_fingerprints for r in ranks]
+
+    def group_lookup_prefixes(self, tenant: str, group: int) -> list[str]:
+        """Key prefixes of one group's object of a chunk, on every rank."""
+        ranks = self.all_ranks or (self.rank,)
+        return [_key_prefix(tenant, self.group_fingerprints[group], r, None) for r in ranks]
+
+
+# -- lookups: the longest prefix every group can resume from ------------------------
+def needed_chunks(plans: Sequence[GroupPlan], group: GroupPlan, hit: int, start: int, blocks_per_chunk: int,
+                  end_block: int) -> range | list[int]:
+    """Chunks (>= ``start``) of ``group`` whose objects a hit of ``hit`` chunks
+    needs; ``end_block`` is the hit's end block (chunk ``hit - 1`` may be a
+    partial tail). Every chunk but the last is full."""
+    if group.kind == "full":
+        return range(start, hit)
+    first, _ = group.needed_blocks(end_block)
+    # chunk j < hit - 1 ends at (j + 1) * bpc and holds its last window blocks; it is
+    # needed when they reach past ``first``
+    return [j for j in range(start, hit) if j == hit - 1 or (j + 1) * blocks_per_chunk > first]
+
+
+def group_prefix_hits(plans: Sequence[GroupPlan], present: Sequence[Sequence[bool]], start: int,
+                      blocks_per_chunk: int, last_end_block: int) -> int:
+    """The longest hit (in chunks, >= ``start``) every group can resume from.
+
+    ``present[g][j - start]``: group g's object of chunk j is in the pool (on every
+    rank). ``last_end_block``: end block of the last chunk offered (a partial tail
+    ends before the next chunk boundary)."""
+    n = start + (len(present[0]) if present else 0)
+    top = n
+    for p in plans:
+        if p.kind == "full":
+            miss = next((j for j, ok in enumerate(present[p.index]) if not ok), n - start)
+            top = min(top, start + miss)
+    for hit in range(top, start, -1):
+        end_block = last_end_block if hit == n else hit * blocks_per_chunk
+        if all(present[p.index][j - start] for p in plans if p.kind != "full"
+               for j in needed_chunks(plans, p, hit, start, blocks_per_chunk, end_block)):
+            return hit
+    return start
+
+
+class GroupLookup:
+    """``PoolLookup.prefix_hits`` for hybrid models: one batched ``exists`` of
+    every group's object of every offered chunk (all ranks), then
+    ``group_prefix_hits``. Used by the scheduler-side client and by worker 0's
+    lookup server alike."""
+
+    def __init__(self, guard: Any, keys: GroupedKeyBuilder, plans: Sequence[GroupPlan], blocks_per_chunk: int,
+                 timeout_s: float, partial_tail: bool) -> None:
+        self.guard = guard
+        self.keys = keys
+        self.plans = tuple(plans)
+        self.bpc = blocks_per_chunk
+        self.timeout_s = timeout_s
+        #: a partial tail chunk may end the offered hashes: its end block is not known
+        #: here, so the window at it is taken from its first block (reads more objects,
+        #: never fewer)
+        self.partial_tail = partial_tail
+
+    def prefix_hits(self, tenant: str, chunk_hashes: Sequence[str] | Sequence[bytes], start: int = 0) -> int:
+        from ascendstore.contract import Status
+
+        todo = [h.hex() if isinstance(h, bytes) else h for h in chunk_hashes[start:]]
+        if not todo:
+            return start
+        health = self.guard.monitor
+        m = self.guard.metrics
+        if health is not None and health.degraded:
+            m.add(lookups=1, lookups_skipped_degraded=1)
+            return start
+        per_group = [self.keys.group_lookup_prefixes(tenant, p.index) for p in self.plans]
+        flat = [pre + h for prefixes in per_group for h in todo for pre in prefixes]
+        statuses = self.guard.exists(flat, self.timeout_s)
+        m.add(lookups=1, lookup_keys=len(flat))
+        present: list[list[bool]] = []
+        pos = 0
+        for prefixes in per_group:
+            w = len(prefixes)
+            present.append([all(s is Status.OK for s in statuses[pos + j * w: pos + (j + 1) * w])
+                            for j in range(len(todo))])
+            pos += w * len(todo)
+        n = len(chunk_hashes)
+        last_end = (n - 1) * self.bpc + 1 if self.partial_tail else n * self.bpc
+        return group_prefix_hits(self.plans, present, start, self.bpc, last_end)
 
 
 # -- plans: which blocks of which group ------------------------------------------------
@@ -233,17 +361,35 @@ def save_refs(plans: Sequence[GroupPlan], bounds: Sequence[tuple[int, int]], has
     return refs
 
 
+def expand_state_caches(kv_caches: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[str, ...]]]:
+    """vLLM hands a state (MambaSpec) layer's cache as a list of tensors (conv
+    state, SSM state: views into one page per block). Each becomes a layer of its
+    own, ``name#i``; returns the flat dict and each layer's names in it."""
+    flat: dict[str, Any] = {}
+    names: dict[str, tuple[str, ...]] = {}
+    for name, t in kv_caches.items():
+        if isinstance(t, (list, tuple)):
+            sub = tuple(f"{name}#{i}" for i in range(len(t)))
+            flat.update(zip(sub, t, strict=True))
+            names[name] = sub
+        else:
+            flat[name] = t
+            names[name] = (name,)
+    return flat, names
+
+
 def is_hybrid(plans: Sequence[GroupPlan]) -> bool:
     """Whether objects are per group (more than one group, or a sliding-window one)."""
     return len(plans) > 1 or any(p.kind != "full" for p in plans)
 
 
 class SlidingPins:
-    """Blocks of sliding-window saves, held until every worker has stored them.
+    """Blocks of sliding-window and state saves, held until every worker has stored them.
 
-    vLLM frees a sliding-window block as soon as the window has passed it, even
-    while the request runs (``remove_skipped_blocks``), so a save still reading
-    it on a transfer thread would race with the block's next owner. The
+    vLLM frees a sliding-window block as soon as the window has passed it, and a
+    state block once the state has been copied forward, even while the request
+    runs (``remove_skipped_blocks``), so a save still reading it on a transfer
+    thread would race with the block's next owner. The
     scheduler takes one extra reference on each such block (``block_pool.touch``,
     as vLLM's own SimpleCPUOffloadConnector does for stores) and drops it when
     all ``world`` workers have reported the save done (``AscendStoreWorkerMeta``)."""

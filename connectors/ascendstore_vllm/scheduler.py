@@ -17,7 +17,7 @@ from ascendstore.keys import NO_TENANT, block_hash_hex
 from ascendstore.registry import create_backend
 from ascendstore_vllm.context import ConnectorContext, chunk_bounds
 from ascendstore_vllm.events import KVEventLog
-from ascendstore_vllm.groups import SlidingPins, load_refs, save_refs
+from ascendstore_vllm.groups import GroupLookup, SlidingPins, has_state, load_refs, save_refs
 from ascendstore_vllm.lookup_rpc import LookupClient
 from ascendstore_vllm.metadata import AscendStoreMetadata, AscendStoreWorkerMeta, ChunkRef, LoadSpec, SaveSpec
 
@@ -59,7 +59,7 @@ class AscendStoreScheduler:
         cfg = ctx.config
         self.metrics = EngineMetrics()
         self._lookup_timeout_s = cfg.lookup_timeout_ms / 1000
-        self._lookup: PoolLookup | None = None
+        self._lookup: PoolLookup | GroupLookup | None = None
         self._rpc: LookupClient | None = None
         self._guard: BackendGuard | None = None
         self._open_lookup()
@@ -89,8 +89,9 @@ class AscendStoreScheduler:
         self._tenant_label = LabelCap(cfg.metrics_max_tenants)
         self._admission = SaveAdmission(cfg.admit_after_hits, cfg.save_budget_bytes_per_step, cfg.admit_track_chunks)
         self._chunk_bytes = chunk_kv_bytes(ctx)
-        #: hybrid models: sliding-window blocks held for saves in flight
+        #: hybrid models: sliding-window and state blocks held for saves in flight
         self.pins = SlidingPins(ctx.tp_size * ctx.pp_size)
+        self._state_groups = has_state(ctx.groups)
         #: time spent in this connector's scheduler-side calls (bench/observability).
         self.busy_s = 0.0
 
@@ -119,7 +120,7 @@ class AscendStoreScheduler:
                     self._guard = BackendGuard(backend, cfg.timeout_ms / 1000, metrics=self.metrics)
                     # This process's own monitor: lookups answer 0 while it is degraded.
                     attach_health(self._guard, cfg, process="scheduler", instance_id=self.ctx.instance_id)
-                    self._lookup = PoolLookup(self._guard, self.ctx.key_builder(), self._lookup_timeout_s)
+                    self._lookup = self.ctx.pool_lookup(self._guard, self._lookup_timeout_s)
                     log.info("AscendStore lookups: scheduler-side client of backend %r", cfg.backend)
                     return
                 backend.close()
@@ -158,6 +159,10 @@ class AscendStoreScheduler:
         # waiting request per step, so no per-chunk Python object is made but the hashes.
         bs, bpc = self.ctx.block_size, self.ctx.blocks_per_chunk
         nblocks = min(len(request.block_hashes), request.num_tokens // bs)
+        if self._state_groups:
+            # vLLM keeps recurrent state only at block boundaries: a hit must end on one
+            # before the last prompt token (never the "all but one token" hit below).
+            nblocks = min(nblocks, (request.num_tokens - 1) // bs)
         nchunks = nblocks // bpc + (1 if nblocks % bpc and not cfg.discard_partial_chunks else 0)
         # First chunk not wholly on the device already.
         start = num_computed_tokens // (bpc * bs)
@@ -190,7 +195,10 @@ class AscendStoreScheduler:
         )
         if new <= 0:
             return 0, False
-        is_async = cfg.load_async and not cfg.use_layerwise
+        # Hybrid models load asynchronously: a state must land before vLLM copies it
+        # forward at the start of the step, and vLLM takes block-level load errors only
+        # from single-group models (hybrid failures go back as failed_recving).
+        is_async = (cfg.load_async and not cfg.use_layerwise) or self.ctx.hybrid
         self._matched[request.request_id] = (num_computed_tokens, new, is_async)
         return new, is_async
 
@@ -362,7 +370,7 @@ class AscendStoreScheduler:
         hashes = [block_hash_hex(req.block_hashes[b1 - 1]) if b0 >= tr.next_save_block else ""
                   for b0, b1 in bounds]
         chunks = save_refs(self.ctx.groups, bounds, hashes, tr.group_ids, tr.next_save_block, self._null_block())
-        sliding = {p.index for p in self.ctx.groups if p.kind == "sliding"}
+        sliding = {p.index for p in self.ctx.groups if p.kind in ("sliding", "state")}
         held = [b for c in chunks if c.group in sliding for b in c.block_ids]
         if not held:
             return chunks, -1

@@ -17,7 +17,6 @@ from ascendstore.engine import (
     EngineMetrics,
     KVLayout,
     LayerSpan,
-    PoolLookup,
     SharedExists,
     TransferEngine,
 )
@@ -26,6 +25,7 @@ from ascendstore.engine.metrics import lookup_load_miss_counter
 from ascendstore.registry import create_backend
 from ascendstore_vllm.context import ConnectorContext
 from ascendstore_vllm.device import DeviceSync, HostStaging
+from ascendstore_vllm.groups import expand_state_caches
 from ascendstore_vllm.lookup_rpc import LookupServer
 from ascendstore_vllm.metadata import AscendStoreMetadata, AscendStoreWorkerMeta, LoadSpec, SaveSpec
 
@@ -132,6 +132,10 @@ class AscendStoreWorker:
         self._async_loads: set[str] = set()
         self._recv_done: set[str] = set()
         self._load_errors: set[int] = set()
+        #: hybrid models: async loads that failed (vLLM takes block-level errors only
+        #: from single-group models; these go back as failed_recving: recomputed)
+        self._recv_failed: set[str] = set()
+        self._failed_now: set[str] = set()
         self._delayed: set[str] = set()
         self._step_exists: tuple[AscendStoreMetadata, SharedExists] | None = None
         #: layerwise: requests whose saves of this step were admitted (all layers at once).
@@ -143,7 +147,7 @@ class AscendStoreWorker:
         if ctx.tp_rank == 0 and ctx.pp_rank == 0 and cfg.lookup_mode in ("auto", "rpc"):
             try:
                 self._server = LookupServer(
-                    ctx.lookup_ipc_path(), PoolLookup(self.guard, self.keys, cfg.lookup_timeout_ms / 1000)
+                    ctx.lookup_ipc_path(), ctx.pool_lookup(self.guard, cfg.lookup_timeout_ms / 1000)
                 )
             except BaseException:
                 # e.g. the IPC path is taken: don't leave transfer threads and a client behind.
@@ -152,6 +156,8 @@ class AscendStoreWorker:
 
     # -- registration ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        # A state (Mamba) layer comes as a list of tensors: one layer per tensor here.
+        kv_caches, expanded = expand_state_caches(kv_caches)
         tensors = list(kv_caches.values())
         self._kv_caches = kv_caches  # kept alive past shutdown while a late put may read them
         device = tensors[0].device
@@ -174,9 +180,9 @@ class AscendStoreWorker:
         if self.ctx.hybrid:
             # A group's object holds only its own layers (groups' views may alias one buffer).
             geom_by_name = {lay.name: g for lay, g in zip(self.layout.layers, self._geom, strict=True)}
-            self._group_geom = [tuple(geom_by_name[n] for n in p.layer_names) for p in self.ctx.groups]
-            self._group_bytes = [sum(self._layer_bytes[self.layout.index[n]] for n in p.layer_names)
-                                 for p in self.ctx.groups]
+            names = [[n for ln in p.layer_names for n in expanded[ln]] for p in self.ctx.groups]
+            self._group_geom = [tuple(geom_by_name[n] for n in ns) for ns in names]
+            self._group_bytes = [sum(self._layer_bytes[self.layout.index[n]] for n in ns) for ns in names]
         # Room for one block of any layer: the landing spot for chunk blocks the
         # device already holds (a chunk object is read whole). Same device as the
         # KV so a backend reading device memory gets one kind of region.
@@ -398,7 +404,10 @@ class AscendStoreWorker:
 
     def _collect(self, res) -> None:
         for req_id, failed in res.loaded.items():
-            self._load_errors |= failed
+            if failed and self.ctx.hybrid and req_id in self._async_loads:
+                self._recv_failed.add(req_id)
+            else:
+                self._load_errors |= failed
             if req_id in self._async_loads:
                 self._recv_done.add(req_id)
 
@@ -407,6 +416,8 @@ class AscendStoreWorker:
         recv = self._recv_done & self._async_loads
         self._async_loads -= recv
         self._recv_done -= recv
+        self._failed_now = self._recv_failed & recv
+        self._recv_failed -= recv
         sent = {r for r in self._delayed if not self.engine.pending("save", r)}
         self._delayed -= sent
         return (sent or None), (recv or None)
@@ -426,6 +437,11 @@ class AscendStoreWorker:
             return None
         self._pins = [p for p in self._pins if p not in done]
         return AscendStoreWorkerMeta(pins_done={p: 1 for p in done})
+
+    def take_failed_recving(self) -> set[str]:
+        """Async loads of hybrid models that failed, among those get_finished just reported."""
+        failed, self._failed_now = self._failed_now, set()
+        return failed
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

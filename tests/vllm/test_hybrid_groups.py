@@ -211,7 +211,8 @@ def _attn(cls_name: str, **kw):
     return getattr(kvi, cls_name)(block_size=BS, num_kv_heads=2, head_size=16, dtype=torch.float16, **kw)
 
 
-def test_mamba_groups_refused_naming_the_group_types():
+def test_mamba_groups_without_align_mode_refused_naming_the_group_types():
+    """mamba_cache_mode 'none' (prefix caching off) keeps no state at chunk boundaries."""
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec
 
     mamba = MambaSpec(block_size=BS, shapes=((4, 8), (2, 4, 8)), dtypes=(torch.float16, torch.float16))
@@ -220,7 +221,34 @@ def test_mamba_groups_refused_naming_the_group_types():
         _context(groups)
     msg = str(e.value)
     assert "0:FullAttentionSpec(2 layers), 1:MambaSpec(2 layers)" in msg
-    assert "group 1 is MambaSpec" in msg and "recurrent state" in msg
+    assert "group 1 is MambaSpec" in msg and "mamba_cache_mode='none'" in msg
+
+
+def test_mamba_speculative_state_blocks_refused():
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec
+
+    mamba = MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(torch.float16,), mamba_cache_mode="align",
+                      num_speculative_blocks=1)
+    with pytest.raises(ConfigError, match="group 1 is MambaSpec: speculative-decoding"):
+        _context([KVCacheGroupSpec(["l0"], _attn("FullAttentionSpec")), KVCacheGroupSpec(["l1"], mamba)])
+
+
+def test_mamba_align_groups_pooled_as_state():
+    """Prefix caching on (mamba_cache_mode 'align'): the state group is pooled, its
+    spec (shapes, dtypes, mode) in its key fingerprint."""
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec
+
+    def ctx_for(shapes):
+        mamba = MambaSpec(block_size=BS, shapes=shapes, dtypes=(torch.float16, torch.float16),
+                          mamba_cache_mode="align")
+        return _context([KVCacheGroupSpec(["l0", "l1"], _attn("FullAttentionSpec")),
+                         KVCacheGroupSpec(["l2", "l3"], mamba)])
+
+    ctx = ctx_for(((4, 8), (2, 4, 8)))
+    assert [p.kind for p in ctx.groups] == ["full", "state"]
+    assert ctx.hybrid
+    fps = ctx.key_builder().group_fingerprints
+    assert ctx_for(((4, 8), (2, 4, 16))).key_builder().group_fingerprints[1] != fps[1]
 
 
 def test_unknown_group_type_refused_naming_it():

@@ -64,6 +64,22 @@ SPECS: dict[str, tuple[str, dict[str, Any]]] = {
         "qk_rope_head_dim": 64, "v_head_dim": 32, "first_k_dense_replace": 4, "n_routed_experts": 4,
         "num_experts_per_tok": 2, "moe_intermediate_size": 128, "n_shared_experts": 1,
     }),
+    # Qwen3-Next-style: gated-delta-net linear attention (MambaSpec state) with a
+    # full-attention layer every 2nd; dense MLP but in the last layer (vLLM needs one MoE layer).
+    "qwen3next": ("Qwen3NextConfig", {
+        **_COMMON, "layer_types": ["linear_attention", "full_attention"] * 2, "full_attention_interval": 2,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 2, "mlp_only_layers": [0, 1, 2],
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 128, "partial_rotary_factor": 0.25,
+    }),
+    # Granite-4.0-H / Bamba-style: Mamba2 layers with full attention every 2nd layer; dense MLP.
+    "granitehybrid": ("GraniteMoeHybridConfig", {
+        **_COMMON, "layer_types": ["linear_attention", "full_attention"] * 2, "num_local_experts": 0,
+        "shared_intermediate_size": 512, "mamba_n_heads": 4, "mamba_d_head": 64, "mamba_n_groups": 1,
+        "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 1, "mamba_chunk_size": 64,
+        "position_embedding_type": "rope",
+    }),
 }
 
 

