@@ -65,9 +65,14 @@ def test_linear_attention_state_pooled_at_block_boundaries(servers, logdir, docu
     from ascendstore_vllm.testing.tiny_models import ensure
 
     path = ensure(NAME)
+    # a prompt of several chunks (its state kept at its last boundary only), and one that
+    # shares part of it and then forks (served from the pool up to a boundary with a state)
+    long = documents[0] + "\n" + documents[1]
+    fork = long[: len(long) * 2 // 3] + " and then the story went another way."
     ref_server = _start(servers, logdir, f"{NAME}-no-connector", path, None)
     try:
         reference = [ref_server.complete(d, MAX_TOKENS) for d in documents]
+        ref_long, ref_fork = ref_server.complete(long, MAX_TOKENS), ref_server.complete(fork, MAX_TOKENS)
     finally:
         ref_server.stop()
 
@@ -110,5 +115,17 @@ def test_linear_attention_state_pooled_at_block_boundaries(servers, logdir, docu
         loaded = m2["vllm:ascendstore_load_bytes_total"] - m1.get("vllm:ascendstore_load_bytes_total", 0)
         print(f"{NAME}: warm loaded {loaded:.0f} B; top-5 worst {worst:.2e}")
         assert loaded == loaded_expected
+
+        for phase in ("cold", "warm"):
+            pool.reset_prefix_cache()
+            out = pool.complete(long, MAX_TOKENS)
+            worst = max(worst, assert_same_output(out, ref_long, f"{NAME} {phase}, long prompt"))
+            if phase == "warm":
+                assert out.cached_tokens == (out.prompt_tokens - 1) // bs * bs, (out.cached_tokens, out.prompt_tokens)
+            out = pool.complete(fork, MAX_TOKENS)
+            worst = max(worst, assert_same_output(out, ref_fork, f"{NAME} {phase}, forked prompt"))
+            assert out.cached_tokens % bs == 0 and out.cached_tokens < out.prompt_tokens
+            print(f"{NAME} {phase}: long prompt {ref_long.prompt_tokens} tokens, fork {out.prompt_tokens} "
+                  f"tokens served {out.cached_tokens} from the pool; top-5 worst {worst:.2e}")
     finally:
         pool.stop()
