@@ -173,6 +173,49 @@ def test_hybrid_groups_pool_window_blocks_only_and_resume_exactly(pool_root, har
         b.close()
 
 
+def _sliding_object(engine, prompt: list[int], chunk: int, root: str) -> str:
+    """File name of the sliding group's object of ``chunk`` of ``prompt`` in the test pool."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from ascendstore.keys import block_hash_hex
+
+    req = Request("probe", list(prompt), SamplingParams(max_tokens=1), None, block_hasher=engine.block_hasher)
+    chunk_hash = block_hash_hex(req.block_hashes[(chunk + 1) * 4 - 1])
+    groups = engine.kv_cache_config.kv_cache_groups
+    sliding = next(i for i, g in enumerate(groups) if type(g.kv_cache_spec).__name__ == "SlidingWindowSpec")
+    fp = engine.connector.scheduler.ctx.key_builder().group_fingerprints[sliding]
+    (name,) = [f for f in objects(root) if fp in f and f.endswith(chunk_hash)]
+    return name
+
+
+@pytest.mark.parametrize("evicted,hit_chunks", [(0, 2), (1, 1)])
+def test_sliding_lookup_needs_only_the_window_objects(pool_root, evicted, hit_chunks):
+    """The pool evicted one sliding-window object: a hit needs only the objects inside
+    the window at its end. Chunk 0's is outside the window at chunk 2's boundary (B
+    still resumes after 2 chunks, byte-exact); chunk 1's holds that window (B resumes
+    after chunk 1, whose window is chunk 0's object)."""
+    a = HybridHarness(_spec(pool_root))
+    try:
+        a.add_request("a", PROMPT)
+        a.run()
+        gone = _sliding_object(a, PROMPT, evicted, pool_root)
+    finally:
+        a.close()
+    os.remove(os.path.join(pool_root, gone))
+
+    b = HybridHarness(_spec(pool_root))
+    try:
+        b.add_request("b", PROMPT_B)
+        b.run()
+        assert b.first_schedule("b")[0] == hit_chunks * 4 * BS
+        assert b.read_errors() == [], "a window or full-attention position was not restored exactly"
+        # full layers (2): every block of the hit; sliding layers (2): the window's 2 blocks
+        assert b.stats_total()["load_bytes"] == BLOCK_LAYER * (2 * 4 * hit_chunks + 2 * 2)
+    finally:
+        b.close()
+
+
 def test_other_window_is_another_fingerprint(pool_root):
     a = HybridHarness(_spec(pool_root))
     try:
