@@ -28,6 +28,13 @@ record are bounded in time; a chunk waits for the next read that started after
 it landed, so a slow record delays announcements but never orders them wrong.
 When the record reports lost events (it overflowed), every announced chunk is
 checked with ``exists`` and the absent ones are withdrawn.
+
+Hybrid models (KV cache groups, groups.py) store one object per chunk and group;
+each is announced on its own, as vLLM announces its own blocks: ``BlockStored``
+with the group's index (``group_idx``), its spec kind and sliding window, and the
+hashes of the blocks the object holds (a sliding-window object only the window's
+blocks, a state object the one block whose state it is); ``BlockRemoved`` names
+the group too.
 """
 
 from __future__ import annotations
@@ -78,7 +85,10 @@ def has_removal_record(backend: Any) -> bool:
     return bool(getattr(backend.capabilities, "removal_events", False)) and hasattr(backend, "removed_since")
 
 
-ChunkId = tuple[str, str]  # (tenant, chunk hash)
+ChunkId = tuple[str, str, int]  # (tenant, chunk hash, KV cache group; -1 without groups)
+
+#: vLLM's KVCacheSpecKind value per pooled group kind (GroupPlan.kind / spec class)
+SPEC_KIND = {"full": "full_attention", "sliding": "sliding_window", "state": "mamba"}
 
 
 @dataclass
@@ -92,6 +102,7 @@ class _Pending:
     token_ids: list[int]
     lora_name: str | None
     needed: frozenset[str]
+    group: int = -1
     got: set[str] = field(default_factory=set)
     reqs: set[str] = field(default_factory=set)
     #: an object of this chunk was reported removed since ``got`` began to fill.
@@ -107,6 +118,7 @@ class _Tracked:
     parent: Any
     token_ids: array  # compact: kept for every announced chunk
     lora_name: str | None
+    group: int = -1
     medium: str = STORE_MEDIUM
     #: its objects now in the disk tier (one rank's part may spill before another's)
     on_disk: set[str] = field(default_factory=set)
@@ -210,8 +222,13 @@ class KVEventLog:
         guard: BackendGuard | None = None,
         local: bool = True,
         timeout_s: float = 1.0,
+        groups: Sequence[Any] = (),
     ) -> None:
         self.keys = keys
+        #: hybrid models: the GroupPlans (objects per chunk and group)
+        self.groups = tuple(groups)
+        self._fp_group: dict[str, int] = {
+            fp: i for i, fp in enumerate(getattr(keys, "group_fingerprints", ()) or ())} if groups else {}
         self.block_size = block_size
         self.guard = guard
         self.locality = "LOCAL" if local else None
@@ -222,7 +239,7 @@ class KVEventLog:
         #: announced chunks (for withdrawal and tier moves)
         self._tracked: OrderedDict[ChunkId, _Tracked] = OrderedDict()
         #: announced objects covering each (block hash, medium): a tail and its full chunk share blocks
-        self._covers: dict[tuple[Any, str], int] = {}
+        self._covers: dict[tuple[Any, str, int], int] = {}
         self._out: list[Any] = []
         self.record: RemovalRecord | None = None
         if guard is not None and has_removal_record(guard.backend):
@@ -237,23 +254,30 @@ class KVEventLog:
         return self.record is not None
 
     # -- inputs ---------------------------------------------------------------------------
-    def planned(self, req: Request, tenant: str, chunks: Sequence[ChunkRef], blocks_per_chunk: int) -> None:
-        """Saves planned this step: wait for their objects to land."""
+    def planned(self, req: Request, tenant: str, chunks: Sequence[ChunkRef], blocks_per_chunk: int,
+                bounds: Sequence[tuple[int, int]] = ()) -> None:
+        """Saves planned this step: wait for their objects to land. Hybrid models:
+        ``bounds[i]`` are chunk i's blocks, ``c.group`` the object's group."""
         bs = self.block_size
         lora = getattr(req, "lora_request", None)
         for c in chunks:
-            cid = (tenant, c.chunk_hash)
+            group = c.group if self.groups else -1
+            cid = (tenant, c.chunk_hash, group)
             p = self._pending.get(cid)
             if p is None:
-                b0 = c.index * blocks_per_chunk
-                b1 = b0 + len(c.block_ids)
+                if group >= 0:  # the blocks this group's object holds
+                    b0, b1 = self.groups[group].stored_blocks(*bounds[c.index])
+                else:
+                    b0 = c.index * blocks_per_chunk
+                    b1 = b0 + len(c.block_ids)
                 p = _Pending(
                     block_hashes=tuple(req.block_hashes[b0:b1]),
                     start=b0,
                     parent=req.block_hashes[b0 - 1] if b0 else None,
                     token_ids=list(req.all_token_ids[b0 * bs : b1 * bs]),
                     lora_name=getattr(lora, "lora_name", None) if lora is not None else None,
-                    needed=frozenset(self.keys.lookup_keys(tenant, c.chunk_hash)),
+                    needed=frozenset(self._object_keys(cid)),
+                    group=group,
                 )
                 self._pending[cid] = p
                 for k in p.needed:
@@ -288,6 +312,13 @@ class KVEventLog:
             p.reqs -= done
             if not p.reqs:
                 self._forget(cid)
+
+    def _object_keys(self, cid: ChunkId) -> list[str]:
+        """Keys of every object of a chunk (all ranks, layers); of one group's object."""
+        tenant, chunk_hash, group = cid
+        if group < 0:
+            return self.keys.lookup_keys(tenant, chunk_hash)
+        return [pre + chunk_hash for pre in self.keys.group_lookup_prefixes(tenant, group)]  # type: ignore[attr-defined]
 
     def _forget(self, cid: ChunkId) -> None:
         p = self._pending.pop(cid, None)
@@ -343,9 +374,15 @@ class KVEventLog:
                 pk = PoolKey.parse(key)
             except ValueError:
                 continue  # a GR user key or another application's object
-            if pk.fingerprint != fp:
+            if self._fp_group:
+                group = self._fp_group.get(pk.fingerprint)
+                if group is None:
+                    continue  # another model or layout
+            elif pk.fingerprint != fp:
                 continue  # another model or layout
-            cid = (pk.tenant, pk.chunk_hash)
+            else:
+                group = -1
+            cid = (pk.tenant, pk.chunk_hash, group)
             hit.add(cid)
             p = self._pending.get(cid)
             if p is not None:
@@ -374,15 +411,17 @@ class KVEventLog:
         if self.guard is None:
             return set()
         out: set[ChunkId] = set()
-        width = len(self.keys.lookup_keys("-", "0"))
-        step = max(1, EXISTS_BATCH // max(width, 1))
+        width = max(len(self._object_keys(cids[0])), 1) if cids else 1
+        step = max(1, EXISTS_BATCH // width)
         for i in range(0, len(cids), step):
             part = cids[i : i + step]
-            keys = [k for t, h in part for k in self.keys.lookup_keys(t, h)]
-            statuses = self.guard.exists(keys, self.timeout_s)
-            for j, cid in enumerate(part):
-                if all(s is Status.OK for s in statuses[j * width : (j + 1) * width]):
+            per = [self._object_keys(cid) for cid in part]
+            statuses = self.guard.exists([k for ks in per for k in ks], self.timeout_s)
+            pos = 0
+            for cid, ks in zip(part, per, strict=True):
+                if all(s is Status.OK for s in statuses[pos : pos + len(ks)]):
                     out.add(cid)
+                pos += len(ks)
         return out
 
     def _resync(self) -> None:
@@ -400,7 +439,7 @@ class KVEventLog:
             t.on_disk.clear()
             self._set_medium(cid, t, STORE_MEDIUM)
             return
-        t = _Tracked(p.block_hashes, p.parent, array("q", p.token_ids), p.lora_name)
+        t = _Tracked(p.block_hashes, p.parent, array("q", p.token_ids), p.lora_name, p.group)
         self._emit_stored(t, t.block_hashes)
         self.stored_chunks += 1
         if self.record is None:
@@ -414,6 +453,12 @@ class KVEventLog:
         from vllm.distributed.kv_events import BlockStored
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
+        group: dict[str, Any] = {}
+        if t.group >= 0:
+            plan = self.groups[t.group]
+            kind = "mla_attention" if plan.spec_type == "MLAAttentionSpec" else SPEC_KIND[plan.kind]
+            group = {"group_idx": t.group, "kv_cache_spec_kind": kind,
+                     "kv_cache_spec_sliding_window": plan.sliding_window}
         self._out.append(
             BlockStored(
                 block_hashes=[maybe_convert_block_hash(h) for h in hashes],
@@ -424,6 +469,7 @@ class KVEventLog:
                 medium=t.medium,
                 lora_name=t.lora_name,
                 locality=self.locality,
+                **group,
             )
         )
 
@@ -432,7 +478,7 @@ class KVEventLog:
         covers any more (on -1) in that medium."""
         gone = []
         for h in t.block_hashes:
-            k = (h, t.medium)
+            k = (h, t.medium, t.group)
             n = self._covers.get(k, 0) + delta
             if n <= 0:
                 self._covers.pop(k, None)
@@ -441,18 +487,19 @@ class KVEventLog:
                 self._covers[k] = n
         return gone
 
-    def _emit_removed(self, hashes: list[Any], medium: str) -> None:
+    def _emit_removed(self, hashes: list[Any], medium: str, group: int = -1) -> None:
         from vllm.distributed.kv_events import BlockRemoved
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         if hashes:
+            extra = {"group_idx": group} if group >= 0 else {}
             self._out.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(h) for h in hashes],
-                                          medium=medium, locality=self.locality))
+                                          medium=medium, locality=self.locality, **extra))
 
     def _set_medium(self, cid: ChunkId, t: _Tracked, medium: str) -> None:
         if medium == t.medium:
             return
-        self._emit_removed(self._cover(t, -1), t.medium)
+        self._emit_removed(self._cover(t, -1), t.medium, t.group)
         t.medium = medium
         self._cover(t, +1)
         self._emit_stored(t, t.block_hashes)
@@ -462,7 +509,7 @@ class KVEventLog:
         if t is None:
             return
         self.removed_chunks += 1
-        self._emit_removed(self._cover(t, -1), t.medium)
+        self._emit_removed(self._cover(t, -1), t.medium, t.group)
 
     def close(self) -> None:
         if self.record is not None:

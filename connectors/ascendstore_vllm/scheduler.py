@@ -70,7 +70,7 @@ class AscendStoreScheduler:
             self.events = KVEventLog(
                 ctx.key_builder(), ctx.block_size, guard=self._guard,
                 local=self._guard is not None and not self._guard.capabilities.shared_across_nodes,
-                timeout_s=self._lookup_timeout_s,
+                timeout_s=self._lookup_timeout_s, groups=ctx.groups if ctx.hybrid else (),
             )
             if not self.events.reports_removals:
                 log.info("AscendStore KV events: BlockStored only; backend %r reports no removals%s", cfg.backend,
@@ -318,6 +318,7 @@ class AscendStoreScheduler:
         ):
             return
         pin = -1
+        bounds: list[tuple[int, int]] = []
         if self.ctx.hybrid:
             bounds = self._bounds(req, limit)
             chunks, pin = self._hybrid_saves(req, tr, bounds)
@@ -354,8 +355,8 @@ class AscendStoreScheduler:
                 return
         tr.saves_planned = True
         meta.saves.append(SaveSpec(req.request_id, tr.tenant, chunks, pin))
-        if self.events is not None and not self.ctx.hybrid:  # (events: one object per chunk)
-            self.events.planned(req, tr.tenant, chunks, bpc)
+        if self.events is not None:  # (hybrid: one object per chunk and group, announced per group)
+            self.events.planned(req, tr.tenant, chunks, bpc, bounds)
 
     def _admit(self, tr: _Tracker, chunks: list[ChunkRef]) -> list[ChunkRef]:
         """The leading chunks admission lets this step save (the rest is skipped)."""

@@ -408,3 +408,80 @@ def test_window_blocks_freed_mid_request_are_held_until_saved(pool_root, monkeyp
 def test_unheld_window_blocks_would_store_wrong_kv(pool_root, monkeypatch):
     """Proves the race the pins prevent is real in this scenario."""
     assert _race(pool_root, False, monkeypatch) != []
+
+
+def test_kv_events_per_group_match_the_pool_after_evictions(tmp_path):
+    """KV events of a hybrid model: one BlockStored per (chunk, group) object once it
+    landed, with the group's index, spec kind and window, and the hashes of exactly
+    the blocks the object holds (a sliding-window object: the window's blocks); one
+    BlockRemoved (same group) when the pool evicts it. A router index keyed by
+    (group, block hash) equals the pool's content after every wave."""
+    import random
+
+    from ascendstore_vllm.context import chunk_bounds
+    from test_kv_events import _testdir, attach_router, open_pool, pool_events
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from ascendstore.contract import Status
+    from ascendstore.keys import block_hash_hex
+
+    backend, bcfg = _testdir(tmp_path, capacity=10)
+    spec = _spec(str(tmp_path), backend=backend, backend_config=bcfg)
+    spec.kv_events = True
+    eng = HybridHarness(spec)
+    router = attach_router(eng)
+    pool = open_pool(backend, bcfg)
+    ctx = eng.connector.scheduler.ctx
+    kb = ctx.key_builder()
+    rng = random.Random(7)
+    systems = [[rng.randrange(3, 900) for _ in range(8 * BS)] for _ in range(4)]
+    objects_seen: dict[str, tuple[int, list]] = {}  # key -> (group, block hashes it holds)
+    index: dict[tuple[int, object], set[str]] = {}
+    seen = 0
+    kinds: dict[int, tuple[str, int | None]] = {}
+    try:
+        for wave in range(6):
+            for j in range(3):
+                prompt = rng.choice(systems) + [rng.randrange(3, 900) for _ in range(rng.randrange(5, 40))]
+                rid = f"w{wave}-{j}"
+                eng.add_request(rid, prompt)
+                req = eng.scheduler.requests[rid]
+                tenant = ctx.tenant(None)
+                for b0, b1 in chunk_bounds(len(prompt) // BS, ctx.blocks_per_chunk, False):
+                    for p in ctx.groups:
+                        s0, s1 = p.stored_blocks(b0, b1)
+                        (pre,) = kb.group_lookup_prefixes(tenant, p.index)
+                        objects_seen[pre + block_hash_hex(req.block_hashes[b1 - 1])] = (
+                            p.index, [maybe_convert_block_hash(h) for h in req.block_hashes[s0:s1]])
+            eng.run()
+            assert eng.read_errors() == []
+            for e in router.events()[seen:]:
+                if getattr(e, "medium", None) != "CPU":
+                    continue  # vLLM's own device blocks ("GPU")
+                key = (e.group_idx,)
+                if type(e).__name__ == "BlockStored":
+                    kinds[e.group_idx] = (e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+                    for h in e.block_hashes:
+                        index.setdefault(key + (h,), set()).add(e.medium)
+                else:
+                    for h in e.block_hashes:
+                        index.pop(key + (h,), None)
+            seen = len(router.events())
+            keys = list(objects_seen)
+            statuses = pool.exists(keys, 5.0)
+            want = {(objects_seen[k][0], h) for k, s in zip(keys, statuses, strict=True) if s is Status.OK
+                    for h in objects_seen[k][1]}
+            assert set(index) == want, f"wave {wave}: router index differs from the pool"
+            assert eng.scheduler.reset_prefix_cache()
+        ours = pool_events(router)
+        assert any(type(e).__name__ == "BlockRemoved" for e in ours), "the workload must evict"
+        groups = eng.kv_cache_config.kv_cache_groups
+        for g, spec_ in enumerate(groups):
+            sliding = type(spec_.kv_cache_spec).__name__ == "SlidingWindowSpec"
+            assert kinds[g] == (("sliding_window", WINDOW) if sliding else ("full_attention", None))
+            # a sliding object announces its window's 2 blocks; a full one its chunk's 4
+            sizes = {len(e.block_hashes) for e in ours if type(e).__name__ == "BlockStored" and e.group_idx == g}
+            assert sizes == ({2} if sliding else {4})
+    finally:
+        eng.close()
+        pool.close()
