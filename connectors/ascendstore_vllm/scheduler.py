@@ -417,6 +417,13 @@ class AscendStoreScheduler:
                 bad = [idx for idx, blocks in chunks if blocks & invalid]
                 if bad:
                     self._bad_from[req_id] = min(self._bad_from.get(req_id, bad[0]), bad[0])
+        # Hybrid models report a failed load per request (vLLM recomputes it from token 0):
+        # none of its chunks from the first loaded one is offered to it again.
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            loaded = self._inflight_loads.get(req_id)
+            if loaded is not None and loaded[1]:
+                first = min(idx for idx, _ in loaded[1])
+                self._bad_from[req_id] = min(self._bad_from.get(req_id, first), first)
         done = set(connector_output.finished_recving or ())
         # Sync and layerwise loads report within the step they ran in; async ones
         # when finished_recving names them.

@@ -485,3 +485,27 @@ def test_kv_events_per_group_match_the_pool_after_evictions(tmp_path):
     finally:
         eng.close()
         pool.close()
+
+
+def test_failed_loads_of_hybrid_models_are_recomputed_not_raised(pool_root):
+    """vLLM maps block-level load errors back to requests only with one KV cache group
+    (with several it raises). A hybrid model's failed load goes back per request
+    (failed_recving): vLLM recomputes it from token 0, exactly."""
+    a = HybridHarness(_spec(pool_root))
+    try:
+        a.add_request("a", PROMPT)
+        a.run()
+    finally:
+        a.close()
+    b = HybridHarness(_spec(pool_root, backend_config={"fail_get_every": 1}))
+    try:
+        b.add_request("b", PROMPT_B)
+        b.run()
+        st = b.stats_total()
+        assert st.get("load_failures", 0) > 0, st
+        assert "b" in b.finished
+        # recomputed from token 0 (not from a block of the failed load), every position exact
+        assert b.first_schedule("b") == (0, len(PROMPT_B))
+        assert b.read_errors() == []
+    finally:
+        b.close()
