@@ -127,5 +127,22 @@ def test_linear_attention_state_pooled_at_block_boundaries(servers, logdir, docu
             assert out.cached_tokens % bs == 0 and out.cached_tokens < out.prompt_tokens
             print(f"{NAME} {phase}: long prompt {ref_long.prompt_tokens} tokens, fork {out.prompt_tokens} "
                   f"tokens served {out.cached_tokens} from the pool; top-5 worst {worst:.2e}")
+
+        # vLLM's own prefix cache holds document 0 (its first boundary's state); the pool
+        # holds the long prompt's later boundary: the request resumes there, from both
+        pool.reset_prefix_cache()
+        m3 = pool.metrics()
+        first = pool.complete(documents[0], MAX_TOKENS)
+        assert first.cached_tokens == (first.prompt_tokens - 1) // bs * bs  # from the pool
+        out = pool.complete(long, MAX_TOKENS)
+        worst = max(worst, assert_same_output(out, ref_long, f"{NAME} device + pool, long prompt"))
+        assert out.cached_tokens == (out.prompt_tokens - 1) // bs * bs, (out.cached_tokens, out.prompt_tokens)
+        m4 = pool.metrics()
+        loaded = m4["vllm:ascendstore_load_bytes_total"] - m3.get("vllm:ascendstore_load_bytes_total", 0)
+        # document 0: its chunk(s) and state; the long prompt: the chunks past the device hit and one state
+        chunks0, chunks1 = (first.prompt_tokens - 1) // bs, (out.prompt_tokens - 1) // bs
+        assert loaded == chunks0 * attn_block + state + (chunks1 - chunks0) * attn_block + state, loaded
+        print(f"{NAME}: long prompt after document 0 on the device: {out.cached_tokens} cached "
+              f"({chunks0 * bs} device, the rest from the pool); top-5 worst {worst:.2e}")
     finally:
         pool.stop()
