@@ -159,14 +159,19 @@ class ConnectorContext:
             if is_hybrid(groups) and config.use_layerwise:
                 raise ConfigError(
                     "use_layerwise is not supported with hybrid KV cache groups "
-                    f"[{describe_groups(kv_cache_config.kv_cache_groups)}]; set use_layerwise: false"
+                    f"[{describe_groups(kv_cache_config.kv_cache_groups)}]: layerwise objects are per layer, "
+                    "not per group, and its loads are synchronous (a state group's state must be in place "
+                    "before vLLM copies it forward at the start of the step); set use_layerwise: false"
                 )
             if is_hybrid(groups) and config.gr.enabled:
                 raise ConfigError(
                     "gr.enabled is not supported with hybrid KV cache groups "
                     f"[{describe_groups(kv_cache_config.kv_cache_groups)}]: the GR user store keeps one block table"
                 )
-            spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+            # The fingerprint's attention fields come from the first attention group (a
+            # state group has no heads); each group's own spec is in its group fingerprint.
+            specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+            spec = next((s for s in specs if getattr(s, "num_kv_heads", None)), specs[0])
             block_size = spec.block_size
         chunk_size = config.chunk_size or block_size
         if chunk_size % block_size:
