@@ -71,3 +71,26 @@ def test_state_groups_need_the_state_at_the_hit_only() -> None:
     # on the device already up to chunk 2: a pool state at chunk 3 extends it
     assert hits([FULL, STATE], [[True, True], [False, True]], start=2) == 4
     assert hits([FULL, STATE], [[True, True], [False, False]], start=2) == 2
+
+
+def test_state_layer_caches_become_one_layer_per_state_tensor() -> None:
+    """vLLM hands a state layer's cache as a list of views into one padded page per
+    block (conv state, SSM state; the conv state may be a transposed view): each is
+    registered on its own and a block's object holds exactly the state bytes."""
+    import torch
+    from ascendstore_vllm.groups import expand_state_caches
+
+    from ascendstore.engine import LayerSpan
+
+    blocks, page = 6, 4096  # bytes per block (padded)
+    raw = torch.zeros(blocks * page, dtype=torch.uint8)
+    conv = raw.view(blocks, page)[:, :3 * 96 * 2].view(torch.bfloat16).view(blocks, 3, 96).transpose(1, 2)
+    ssm = raw.view(blocks, page)[:, 1024:1024 + 2 * 8 * 8 * 4].view(torch.float32).view(blocks, 2, 8, 8)
+    attn = torch.zeros(blocks, 2, 16, 8)
+    flat, names = expand_state_caches({"attn": attn, "gdn": [conv, ssm]})
+    assert names == {"attn": ("attn",), "gdn": ("gdn#0", "gdn#1")}
+    assert flat["gdn#0"] is conv and flat["gdn#1"] is ssm
+    spans = {n: LayerSpan.from_view(n, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size())
+             for n, t in flat.items()}
+    assert spans["gdn#0"].block_bytes == 3 * 96 * 2 and spans["gdn#0"].block_stride == page
+    assert spans["gdn#1"].runs == ((0, 2 * 8 * 8 * 4),) and spans["gdn#1"].base == raw.data_ptr() + 1024
