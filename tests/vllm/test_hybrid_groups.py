@@ -189,12 +189,14 @@ def _sliding_object(engine, prompt: list[int], chunk: int, root: str) -> str:
     return name
 
 
+@pytest.mark.parametrize("rpc", [False, True], ids=["scheduler-lookup", "rpc-lookup"])
 @pytest.mark.parametrize("evicted,hit_chunks", [(0, 2), (1, 1)])
-def test_sliding_lookup_needs_only_the_window_objects(pool_root, evicted, hit_chunks):
+def test_sliding_lookup_needs_only_the_window_objects(pool_root, evicted, hit_chunks, rpc):
     """The pool evicted one sliding-window object: a hit needs only the objects inside
     the window at its end. Chunk 0's is outside the window at chunk 2's boundary (B
     still resumes after 2 chunks, byte-exact); chunk 1's holds that window (B resumes
-    after chunk 1, whose window is chunk 0's object)."""
+    after chunk 1, whose window is chunk 0's object). The same rule on the scheduler and
+    in worker 0's lookup server."""
     a = HybridHarness(_spec(pool_root))
     try:
         a.add_request("a", PROMPT)
@@ -204,8 +206,10 @@ def test_sliding_lookup_needs_only_the_window_objects(pool_root, evicted, hit_ch
         a.close()
     os.remove(os.path.join(pool_root, gone))
 
-    b = HybridHarness(_spec(pool_root))
+    # rpc: the backend has no scheduler-side client, worker 0 answers the lookups
+    b = HybridHarness(_spec(pool_root, backend_config={"scheduler_client": not rpc}))
     try:
+        assert (b.connector.scheduler._rpc is not None) == rpc
         b.add_request("b", PROMPT_B)
         b.run()
         assert b.first_schedule("b")[0] == hit_chunks * 4 * BS
