@@ -159,9 +159,10 @@ class ConnectorContext:
             if is_hybrid(groups) and config.use_layerwise:
                 raise ConfigError(
                     "use_layerwise is not supported with hybrid KV cache groups "
-                    f"[{describe_groups(kv_cache_config.kv_cache_groups)}]: layerwise objects are per layer, "
-                    "not per group, and its loads are synchronous (a state group's state must be in place "
-                    "before vLLM copies it forward at the start of the step); set use_layerwise: false"
+                    f"[{describe_groups(kv_cache_config.kv_cache_groups)}]: layerwise loads run inside the "
+                    "step, so a failed one could only be reported per block, which vLLM refuses with several "
+                    "KV cache groups, and a state group's state must be in place before vLLM copies it forward "
+                    "at the start of the step; set use_layerwise: false"
                 )
             if is_hybrid(groups) and config.gr.enabled:
                 raise ConfigError(
