@@ -416,9 +416,10 @@ class UserStore:
 
         def late(done: Callable[[], bool]) -> None:
             layers: list[int | None] = list(range(len(keys))) if self.layerwise else [None]
-            self._late_saves.append(_LateSave(done, uid, tenant, generation, keys,
-                                              [sum(r.length for r in rs) for rs in regions], layers, n_blocks,
-                                              token_key, buf.nbytes))
+            with self._held_lock:
+                self._late_saves.append(_LateSave(done, uid, tenant, generation, keys,
+                                                  [sum(r.length for r in rs) for rs in regions], layers,
+                                                  n_blocks, token_key, buf.nbytes))
 
         statuses, running = self._transfer("put", keys, regions, headers)
         bad = next((s for s in statuses if s is not Status.OK), None)
@@ -550,7 +551,7 @@ class UserStore:
             return 0
         with self._held_lock:
             ready = [j for j in self._late_saves if j.done()]
-            self._late_saves[:] = [j for j in self._late_saves if j not in ready]
+            self._late_saves[:] = [j for j in self._late_saves if all(j is not r for r in ready)]
         removed = 0
         for job in ready:
             try:
