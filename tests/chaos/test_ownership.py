@@ -240,3 +240,38 @@ def test_gr_late_get_never_writes_vllm_blocks():
     finally:
         _set(hang_s={}, late_garbage=False)
         eng.close()
+
+
+def test_gr_save_that_times_out_leaves_no_object_behind():
+    """A GR save whose put overruns reports TIMEOUT and writes no record; the put
+    still stores its KV object when it wakes. The worker removes that object once
+    the call has ended (at its next step), so the pool keeps no KV that no record
+    describes. Without the reclaim the object stays until the user is saved again."""
+    from ascendstore.registry import create_backend
+
+    name = pool_name("own-gr-put")
+    extra = faulty_extra(name, checksum=False, timeout_ms=TIMEOUT_MS, gr={"enabled": True})
+    eng = EngineHarness(EngineSpec(extra_config=extra, num_blocks=96))
+    pool = create_backend("local", extra["backend_config"]["backend_config"])
+    hist = prompts(1, blocks=5, tail=0, seed=41)[0]
+    try:
+        _set_workers(hang_s={"put": HANG_S})
+        eng.add_request("w0", hist + prompts(1, blocks=1, tail=3, seed=42)[0], max_tokens=1,
+                        extra_args={"uid": "late-u", "user_history_len": len(hist)})
+        run_timed(eng)
+        _set_workers(hang_s={})
+        assert eng.stats_total().get("gr_save_failures", 0) == 1, "the save should have timed out"
+        deadline = time.monotonic() + 10 * HANG_S
+        while not list(pool.list_keys("late-u@")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        keys = list(pool.list_keys("late-u@"))
+        assert len(keys) == 1 and keys[0].endswith("@kv_cache"), f"the late put should have landed: {keys}"
+        time.sleep(0.1)  # the guard's call has returned
+        _serve(eng, prompts(1, seed=43), "x", max_tokens=2)  # a step: the worker reclaims
+        assert list(pool.list_keys("late-u@")) == [], "a KV object that no record describes was left"
+        assert eng.stats_total().get("gr_late_saves_reclaimed", 0) == 1
+        report("ownership_late_put_gr", reclaimed=1)
+    finally:
+        _set(hang_s={})
+        pool.close()
+        eng.close()
