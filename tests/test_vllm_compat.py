@@ -47,9 +47,12 @@ def test_bench_real_without_a_cpu_build_says_what_to_do() -> None:
 
     if real_vllm_available() is not None:
         pytest.skip("a vLLM CPU build is installed here (make test-real covers bench --real)")
-    res = CliRunner().invoke(get_app(), ["bench", "--real"])
-    assert res.exit_code != 0
-    assert "make setup-real" in res.output
+    for args in (["bench", "--real"], ["bench", "--real", "--real-workload", "gr"]):
+        res = CliRunner().invoke(get_app(), args)
+        assert res.exit_code != 0
+        assert "make setup-real" in res.output, args
+    res = CliRunner().invoke(get_app(), ["bench", "--real", "--real-workload", "chat"])
+    assert res.exit_code == 2 and "choose docs or gr" in res.output
 
 
 @pytest.mark.parametrize("use_mla,cpu,refused", [(True, True, True), (True, False, False), (False, True, False)])

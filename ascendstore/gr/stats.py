@@ -28,6 +28,7 @@ class GRStats:
     bytes_saved: int = 0  # KV bytes written (this rank's objects)
     bytes_loaded: int = 0  # KV bytes read into the device (this rank; skipped blocks excluded)
     save_failures: int = 0
+    late_saves_reclaimed: int = 0  # objects a timed-out save stored late, removed once its call ended
     invalidations: int = 0  # stored histories cut back because a request rewrote them
     expired: int = 0  # users dropped for TTL
     quota_truncations: int = 0  # saves cut to fit the per-user quota

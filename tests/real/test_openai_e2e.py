@@ -5,14 +5,19 @@ One tiny Llama (GQA, fp32), greedy decoding, top-5 logprobs, a device cache of
 must reproduce them when cold (everything computed, KV saved), warm after
 ``/reset_prefix_cache`` (the device cache is empty, the pool serves the prompt),
 in a second server process that shares the pool (async loads), and with GR
-fields in the request body.
+fields in the request body: a small trace of users (history + fresh candidates)
+through GR mode with the device-side user LRU on, cold, LRU-evicted and warm,
+with exactly each user's history in the pool.
 """
 
 from __future__ import annotations
 
+import random
+import struct
 import time
 import uuid
 
+import numpy as np
 import pytest
 from ascendstore_vllm.testing.openai_server import BLOCK_SIZE, Completion, VllmServer
 from real_helpers import assert_same_output
@@ -20,6 +25,23 @@ from real_helpers import assert_same_output
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 MAX_TOKENS = 8
+#: KV bytes of one token of the tiny Llama: 4 layers x (K + V) x 2 KV heads x 64 x fp32
+KV_PER_TOKEN = 4 * 2 * 2 * 64 * 4
+
+#: GR users (uid, cache_salt, history tokens); requests are history + CANDIDATES fresh
+#: tokens. Histories end inside a block, so the block holding the first candidates is
+#: partly history: it must not be pooled. The last user is uid "gr-a" of another tenant.
+GR_USERS = [("gr-a", None, 200), ("gr-b", None, 265), ("gr-c", None, 330), ("gr-a", "tenant-x", 170)]
+CANDIDATES = 40
+GR_ROUNDS = 3
+
+
+def gr_prompt(user: int, rnd: int) -> list[int]:
+    """User ``user``'s request of round ``rnd``: its history, then candidates of that round."""
+    uid, salt, hist = GR_USERS[user]
+    h = random.Random(f"history-{uid}-{salt}")
+    c = random.Random(f"candidates-{user}-{rnd}")
+    return [h.randrange(10, 500) for _ in range(hist)] + [c.randrange(10, 500) for _ in range(CANDIDATES)]
 POOL = {"backend": "local", "backend_config": {"name": f"real-{uuid.uuid4().hex[:8]}", "capacity": "64MiB"}}
 
 
@@ -59,20 +81,28 @@ def start(llama_model, servers, logdir):
 
 
 @pytest.fixture(scope="module")
-def reference(start, documents) -> list[Completion]:
+def no_connector(start, documents) -> dict:
     """Outputs of the server without a connector (stopped afterwards: 2 cores)."""
     s = start("no-connector", None)
     try:
-        return [s.complete(d, MAX_TOKENS) for d in documents]
+        docs = [s.complete(d, MAX_TOKENS) for d in documents]
+        gr = {(u, r): s.complete(gr_prompt(u, r), MAX_TOKENS, cache_salt=GR_USERS[u][1])
+              for r in range(GR_ROUNDS) for u in range(len(GR_USERS))}
+        return {"docs": docs, "gr": gr}
     finally:
         s.stop()
 
 
 @pytest.fixture(scope="module")
+def reference(no_connector) -> list[Completion]:
+    return no_connector["docs"]
+
+
+@pytest.fixture(scope="module")
 def pool_a(start, reference) -> VllmServer:
-    # The device-side user LRU refuses vLLM other than 0.33 (it extends vLLM's
-    # KVCacheManager internals): off here, GR fields and user keys still work.
-    return start("pool-a", pool_config(1, gr={"enabled": True, "user_lru": False}))
+    # GR mode with the device-side user LRU on (the default), at most one resident
+    # user: every GR request that ends evicts the user before it from the device.
+    return start("pool-a", pool_config(1, gr={"enabled": True, "max_resident_users": 1}))
 
 
 def test_cold_pool_matches_no_connector(pool_a, reference, documents) -> None:
@@ -125,6 +155,109 @@ def test_gr_fields_in_the_request_body_reach_the_connector(pool_a, reference, do
     m2 = pool_a.metrics()
     assert m2.get("vllm:ascendstore_gr_dram_hits_total", 0) == m1.get("vllm:ascendstore_gr_dram_hits_total", 0) + 1
     assert second.cached_tokens == (prompt_tokens - 5) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def _wait_metrics(server: VllmServer, want: dict[str, float], timeout_s: float = 30.0) -> dict[str, float]:
+    """Metrics once every counter in ``want`` reached its value (Prometheus is
+    updated when the engine's step outputs reach the API server), or at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = server.metrics()
+        if all(m.get(k, 0.0) >= v for k, v in want.items()) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
+def _user_part(uid: str, salt: str | None) -> str:
+    from ascendstore.keys import tenant_id
+
+    return f"{tenant_id(salt)}~{uid}" if salt else uid
+
+
+def test_gr_users_with_the_user_lru_outputs_equal_and_only_histories_stored(pool_a, no_connector) -> None:
+    """GR requests through the OpenAI server (uid, user_history_len and a tenant's
+    cache_salt in the body), user LRU on: round 0 cold (each user a miss, its
+    history saved), round 1 right after (each user was evicted from the device by
+    the next one's request: the pool serves it), round 2 after /reset_prefix_cache
+    (the pool serves). Greedy outputs equal the no-connector server's. Then the
+    pool holds, per user, exactly its history: one KV object of its whole blocks
+    (all layers of the one rank, as the key layout stores them) and its token
+    record; no candidate token and no chunk-pool object was written."""
+    from ascendstore.gr.records import KV_HEADER_BYTES, TokenRecord, capacity_class, token_object_bytes
+    from ascendstore.registry import create_backend
+
+    ref = no_connector["gr"]
+    names = {k: f"vllm:ascendstore_gr_{k}_total" for k in
+             ("dram_hits", "dram_misses", "device_hits", "lru_evictions", "saves", "bytes_saved",
+              "swapin_successes")}
+    pool = create_backend("local", POOL["backend_config"])
+    try:
+        keys_before = set(pool.list_keys("", limit=1 << 20))
+        pool_a.reset_prefix_cache()
+        m0 = pool_a.metrics()
+        m = m0
+        worst = 0.0
+        n_users = len(GR_USERS)
+        for rnd in range(GR_ROUNDS):
+            if rnd == 2:
+                pool_a.reset_prefix_cache()
+            before = m
+            for u, (uid, salt, hist) in enumerate(GR_USERS):
+                params = {"uid": uid, "user_history_len": hist}
+                out = pool_a.complete(gr_prompt(u, rnd), MAX_TOKENS, kv_transfer_params=params, cache_salt=salt)
+                worst = max(worst, assert_same_output(out, ref[(u, rnd)], f"GR round {rnd}, user {u}"))
+                # round 0: nothing anywhere; later rounds: the pool served the whole
+                # pooled history (the device had lost it: user LRU or reset)
+                assert out.cached_tokens == (0 if rnd == 0 else pooled(hist + 1)), (rnd, u, out.cached_tokens)
+            want = ({"saves": n_users, "lru_evictions": n_users - 1} if rnd == 0 else
+                    {"swapin_successes": n_users, "lru_evictions": n_users if rnd == 1 else 0})
+            m = _wait_metrics(pool_a, {names[k]: before.get(names[k], 0) + v for k, v in want.items()})
+            time.sleep(0.3)  # nothing more may come (an extra eviction or save would show now)
+            m = pool_a.metrics()
+            d = {k: m.get(n, 0) - before.get(n, 0) for k, n in names.items()}
+            print(f"GR round {rnd}: {d}")
+            if rnd == 0:
+                assert d["dram_misses"] == n_users and d["saves"] == n_users, d
+                assert d["lru_evictions"] == n_users - 1, d  # each request's end evicts the user before
+            else:
+                assert d["dram_hits"] == n_users and d["swapin_successes"] == n_users, d
+                assert d["device_hits"] == 0 and d["saves"] == 0, d
+            if rnd == 1:
+                assert d["lru_evictions"] == n_users, d  # (round 0's last user included)
+        # the pool: per user, exactly its history's KV and its token record
+        expect_bytes = 0
+        for u, (uid, salt, hist) in enumerate(GR_USERS):
+            part = _user_part(uid, salt)
+            keys = sorted(pool.list_keys(f"{part}@", limit=100))
+            n_tok = pooled(hist + 1)  # whole history blocks (the prompt goes on past the history)
+            assert [k.rsplit("@", 1)[1] for k in keys] == ["kv_cache", "token_id"], keys
+            kv = np.empty(KV_HEADER_BYTES + n_tok * KV_PER_TOKEN, dtype=np.uint8)
+            # the contract reads an object only into regions of its exact size: OK means
+            # the stored object is exactly the header and this many tokens' KV
+            assert pool.get([keys[0]], [[_region(kv)]], 5.0)[0].name == "OK", f"user {u}: KV object size"
+            _, _, n_blocks, layer = struct.unpack_from("<8sQIi", kv, 0)
+            assert (n_blocks, layer) == (n_tok // BLOCK_SIZE, -1)
+            rec_buf = np.empty(token_object_bytes(capacity_class(n_tok)), dtype=np.uint8)
+            assert pool.get([keys[1]], [[_region(rec_buf)]], 5.0)[0].name == "OK"
+            rec = TokenRecord.decode(rec_buf)
+            assert rec.tokens.tolist() == gr_prompt(u, 0)[:n_tok], f"user {u}: stored tokens are not its history"
+            assert rec.kv_bytes == n_tok * KV_PER_TOKEN
+            expect_bytes += rec.kv_bytes
+        new = set(pool.list_keys("", limit=1 << 20)) - keys_before
+        parts = tuple(f"{_user_part(uid, salt)}@" for uid, salt, _ in GR_USERS)
+        assert all(k.startswith(parts) for k in new), f"not a GR user object: {sorted(new)[:5]}"
+        assert len(new) == 2 * len(GR_USERS)
+        assert m.get(names["bytes_saved"], 0) - m0.get(names["bytes_saved"], 0) == expect_bytes
+        print(f"GR: {len(GR_USERS)} users, {expect_bytes} history KV bytes stored; "
+              f"largest top-5 logprob difference {worst:.2e}")
+    finally:
+        pool.close()
+
+
+def _region(buf: np.ndarray):
+    from ascendstore.contract import Region
+
+    return Region(buf.ctypes.data, buf.nbytes)
 
 
 def test_second_server_process_shares_the_pool_with_async_loads(start, pool_a, reference, documents) -> None:

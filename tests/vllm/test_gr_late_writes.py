@@ -148,6 +148,79 @@ def test_overrun_record_read_keeps_its_buffers(hung_store, monkeypatch):
     assert tracked.made and tracked.alive() == len(tracked.made)
 
 
+def _user_objects(raw, uid: str) -> list[str]:
+    return sorted(k for k in raw.inner.list_keys(f"{uid}@", limit=100))
+
+
+def _late_put(store, raw, guard, uid: str, hist: list[int], src: np.ndarray) -> None:
+    """A save whose KV put hangs past the deadline and then stores its object late."""
+    raw.set_faults(hang_s={"put": HANG_S})
+    assert store.save_kv(uid, hist, _regions(src, [1, 2, 3])) is Status.TIMEOUT
+    assert guard.stuck_calls == 1
+    raw.set_faults(hang_s={})  # the hung put goes on regardless
+
+
+def test_object_a_timed_out_save_stores_late_is_reclaimed(hung_store):
+    """The save reported TIMEOUT and wrote no record; its put lands afterwards. No
+    record will ever describe that object: the store removes it once the call ends."""
+    store, raw, guard, _ = hung_store
+    hist = list(range(700, 700 + 3 * BS))
+    _late_put(store, raw, guard, "u3", hist, _device(seed=4))
+    assert store.reclaim_late_saves() == 0, "reclaimed while the put still ran"
+    _wait(lambda: guard.stuck_calls == 0)
+    kv_key, token_key = store.kv_keys("u3", 0)[0], store.token_key("u3", 0)
+    assert _user_objects(raw, "u3") == [kv_key], "the late put should have stored its object (test out of date?)"
+    assert store.reclaim_late_saves() == 1
+    assert _user_objects(raw, "u3") == [], "an object no record describes was left in the pool"
+    assert token_key not in _user_objects(raw, "u3")
+    assert store.stats.late_saves_reclaimed == 1
+    assert store.reclaim_late_saves() == 0 and not store._late_saves
+
+
+def test_reclaim_leaves_a_newer_save_alone(hung_store):
+    """Another engine saved the user after the late put landed: its objects are
+    not the late save's (another generation) and stay; its KV loads byte-exact."""
+    store, raw, guard, _ = hung_store
+    hist = list(range(800, 800 + 3 * BS))
+    _late_put(store, raw, guard, "u4", hist, _device(seed=5))
+    _wait(lambda: guard.stuck_calls == 0)
+    other = UserStore(create_backend("local", raw.options.backend_config), model="m.1", world_size=1,
+                      worker_id=0, block_size=BS, config=GRConfig(enabled=True), num_layers=LAYERS)
+    try:
+        newer = _device(seed=6)
+        assert other.save_kv("u4", hist, _regions(newer, [1, 2, 3])) is Status.OK
+        assert store.reclaim_late_saves() == 0
+        rec = other.lookup("u4", hist).records[0]
+        assert rec is not None and len(_user_objects(raw, "u4")) == 2
+        dst = _device(seed=7)
+        assert other.load_kv("u4", rec.generation, 3, _regions(dst, [4, 5, 6])) is Status.OK
+        assert (dst[:, 4:7] == newer[:, 1:4]).all()
+    finally:
+        other.backend.close()
+
+
+def test_late_put_landing_over_a_newer_save_is_never_served(hung_store):
+    """The late put lands *after* another engine's save and overwrites its KV with
+    the old bytes: the reclaim removes that object, and the newer record is then
+    never served (a miss, or a failed load that vLLM recomputes), never old KV."""
+    store, raw, guard, _ = hung_store
+    hist = list(range(900, 900 + 3 * BS))
+    _late_put(store, raw, guard, "u5", hist, _device(seed=8))
+    other = UserStore(create_backend("local", raw.options.backend_config), model="m.1", world_size=1,
+                      worker_id=0, block_size=BS, config=GRConfig(enabled=True), num_layers=LAYERS)
+    try:
+        assert other.save_kv("u5", hist, _regions(_device(seed=9), [1, 2, 3])) is Status.OK
+        _wait(lambda: guard.stuck_calls == 0)  # the old bytes land over the newer object
+        assert store.reclaim_late_saves() == 1
+        hit = other.lookup("u5", hist)
+        if hit.hit_tokens:
+            rec = hit.records[0]
+            assert other.load_kv("u5", rec.generation, rec.kv_blocks,
+                                 _regions(_device(seed=10), [4, 5, 6])) is not Status.OK
+    finally:
+        other.backend.close()
+
+
 @pytest.mark.parametrize("seed", [568873311, 942318890])
 def test_two_engine_interleaving_seeds_that_crashed(seed):
     """The interleaving seeds that crashed or hung the GR scheduler, in a child with a time limit."""

@@ -144,8 +144,14 @@ def test_unsupported_vllm_is_refused_clearly(monkeypatch):
 
     rig = build_scheduler(block_size=BS, num_blocks=16)
     monkeypatch.setattr(vllm, "__version__", "0.34.1")
-    with pytest.raises(UnsupportedVLLMError, match=r"supports vLLM 0\.33\.x; this is vLLM 0\.34\.1.*gr\.user_lru=false"):
+    with pytest.raises(UnsupportedVLLMError, match=r"supports vLLM >=0\.30,<0\.34; this is vLLM 0\.34\.1.*gr\.user_lru=false"):
         UserKVLRU().install(rig.kv_cache_manager)
+    monkeypatch.setattr(vllm, "__version__", "0.29.2")
+    with pytest.raises(UnsupportedVLLMError, match=r"this is vLLM 0\.29\.2"):
+        UserKVLRU().install(rig.kv_cache_manager)
+    for version in ("0.30.0", "0.32.0", "0.33.0rc1"):  # the lines whose internals it wraps
+        monkeypatch.setattr(vllm, "__version__", version)
+        UserKVLRU().install(rig.kv_cache_manager).uninstall()
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
     monkeypatch.delattr(type(rig.kv_cache_manager.block_pool.free_block_queue), "prepend_n")
     with pytest.raises(UnsupportedVLLMError, match="free_block_queue.prepend_n"):

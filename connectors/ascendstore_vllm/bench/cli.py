@@ -79,7 +79,15 @@ def bench(
     ] = False,
     real_model: Annotated[str, typer.Option(help="--real: tiny model (llama, gemma3, ...)")] = "llama",
     real_docs: Annotated[int, typer.Option(min=1, help="--real: documents sent round-robin")] = 8,
-    real_rounds: Annotated[int, typer.Option(min=2, help="--real: rounds over the documents")] = 3,
+    real_rounds: Annotated[int, typer.Option(min=2, help="--real: rounds over the documents (or users)")] = 3,
+    real_workload: Annotated[
+        str, typer.Option(help="--real: docs (shared documents, no pool vs pool) or gr (users' histories + "
+                               "new candidates: no pool vs block- vs user-granular pool)")
+    ] = "docs",
+    real_users: Annotated[int, typer.Option(min=1, help="--real-workload gr: users")] = 8,
+    real_history: Annotated[int, typer.Option(min=32, help="--real-workload gr: history tokens per user")] = 1000,
+    real_candidates: Annotated[int, typer.Option(min=1, help="--real-workload gr: new candidate tokens per "
+                                                             "request")] = 64,
 ) -> None:
     """Drive vLLM's real scheduler + AscendStoreConnector on CPU with a workload; report pool hits,
     prefill saved vs the infinite-cache bound, bytes moved, lookup latency and connector overhead."""
@@ -95,6 +103,14 @@ def bench(
 
     console = Console()
     if real:
+        if real_workload == "gr":
+            _bench_real_gr(console, real_model, real_users, real_rounds, real_history, real_candidates, backend,
+                           backend_config, kv_transfer_config, json_path, seed)
+            return
+        if real_workload != "docs":
+            from ascendstore.cli.common import fail
+
+            raise fail(f"--real-workload {real_workload!r}: choose docs or gr", 2)
         _bench_real(console, real_model, real_docs, real_rounds, backend, backend_config, kv_transfer_config,
                     json_path)
         return
@@ -244,4 +260,30 @@ def _bench_real(console, model: str, docs: int, rounds: int, backend: str, backe
         json_path.write_text(json.dumps(rep, indent=2) + "\n")
         console.print(f"wrote {json_path}", highlight=False)
     if rep["output_mismatches"]:
+        raise typer.Exit(1)
+
+
+def _bench_real_gr(console, model: str, users: int, rounds: int, history: int, candidates: int, backend: str,
+                   backend_config: str | None, kv_transfer_config: str | None, json_path: Path | None,
+                   seed: int) -> None:
+    from ascendstore.cli.common import extra_config_from, fail
+    from ascendstore_vllm.bench.real_gr import format_report, run_real_gr
+
+    extra = extra_config_from(kv_transfer_config)
+    extra.pop("backend", None)
+    opts = json.loads(backend_config) if backend_config else dict(extra.pop("backend_config", {}) or {})
+    extra.pop("backend_config", None)
+    console.print("starting three vLLM OpenAI servers (no pool, block-granular, user-granular) ...",
+                  highlight=False)
+    try:
+        rep = run_real_gr(model=model, users=users, rounds=rounds, history=history, candidates=candidates,
+                          backend=backend, backend_config=opts, extra_config=extra, seed=seed)
+    except Exception as exc:
+        raise fail(f"bench --real --real-workload gr failed: {type(exc).__name__}: {exc}") from None
+    console.print(format_report(rep), highlight=False)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(rep, indent=2) + "\n")
+        console.print(f"wrote {json_path}", highlight=False)
+    if any(rep["output_mismatches"].values()):
         raise typer.Exit(1)

@@ -326,6 +326,8 @@ class GRWorkerHooks:
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(ended requests whose loads are over: free their blocks now, swap-ins done)."""
+        # saves that timed out while their put ran on: remove what the put stored late
+        self.store.reclaim_late_saves()
         self._ended |= finished_req_ids & set(self._inflight)
         sending, recving = set(), set()
         for rid, fut in list(self._inflight.items()):

@@ -21,6 +21,7 @@ _HELP = {
     "saves": "GR user histories written to the pool",
     "invalidations": "GR stored histories cut back after a rewrite",
     "expired": "GR users dropped for TTL",
+    "late_saves_reclaimed": "GR objects a timed-out save stored late, removed once its call ended",
     "invalid_inputs": "GR requests with unusable GR fields (served as ordinary requests)",
 }
 COUNTERS = tuple(GRStats().snapshot())

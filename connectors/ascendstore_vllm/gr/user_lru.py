@@ -19,8 +19,9 @@ methods on that one instance:
   ``evict_blocks``) when there are not.
 
 Everything else -- hit lookup, ref counts, hashing, the free queue itself --
-stays vLLM's. Internals differ between vLLM releases, so install() checks
-the version and every attribute it touches and refuses clearly otherwise.
+stays vLLM's. Internals may differ between vLLM releases, so install() checks
+the version (``compat.USER_LRU_VLLM``: 0.30 to 0.33) and every attribute it
+touches, and refuses clearly otherwise.
 """
 
 from __future__ import annotations
@@ -35,8 +36,6 @@ from ascendstore.gr import GRInputError, GRRequest, GRStats, parse_gr_request
 from ascendstore.keys import NO_TENANT
 
 log = logging.getLogger(__name__)
-
-SUPPORTED_VLLM = ("0.33.",)
 
 #: a device-resident user: (tenant id, uid). The same uid under two tenants is two
 #: users (as in the pool's keys), so evicting or deleting one never touches the other.
@@ -74,11 +73,13 @@ class _User:
 def check_vllm_supported(kv_cache_manager: Any) -> None:
     import vllm
 
-    version = getattr(vllm, "__version__", "unknown")
-    if not version.startswith(SUPPORTED_VLLM):
+    from ascendstore_vllm import compat
+
+    version = str(getattr(vllm, "__version__", "unknown"))
+    if not compat.user_lru_supported(version):
         raise UnsupportedVLLMError(
             f"the GR user-level LRU (gr.user_lru) extends vLLM's KVCacheManager internals and supports "
-            f"vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}; this is vLLM {version}. Set "
+            f"vLLM {compat.USER_LRU_VLLM}; this is vLLM {version}. Set "
             f"gr.user_lru=false (the pool still works) or use a supported vLLM."
         )
     missing = [

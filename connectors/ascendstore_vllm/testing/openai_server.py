@@ -148,7 +148,8 @@ class VllmServer:
 
     # -- client ------------------------------------------------------------------------
     def complete(self, prompt: str | list[int], max_tokens: int = 8, *, logprobs: int = 5,
-                 kv_transfer_params: dict | None = None, timeout_s: float = 300.0) -> Completion:
+                 kv_transfer_params: dict | None = None, cache_salt: str | None = None,
+                 timeout_s: float = 300.0) -> Completion:
         """A greedy streamed completion (temperature 0), read chunk by chunk as it arrives."""
         body: dict[str, Any] = {
             "model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
@@ -159,6 +160,8 @@ class VllmServer:
             body["logprobs"] = logprobs
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
         out = Completion()
         t0 = time.monotonic()
         with requests.post(self.url + "/v1/completions", json=body, stream=True, timeout=timeout_s) as r:
