@@ -80,6 +80,12 @@ def bench(
     real_model: Annotated[str, typer.Option(help="--real: tiny model (llama, gemma3, ...)")] = "llama",
     real_docs: Annotated[int, typer.Option(min=1, help="--real: documents sent round-robin")] = 8,
     real_rounds: Annotated[int, typer.Option(min=2, help="--real: rounds over the documents")] = 3,
+    real_doc_lines: Annotated[int, typer.Option(min=1, help="--real: corpus lines per document (44: ~1,400 "
+                                                            "tokens)")] = 44,
+    real_device_blocks: Annotated[int, typer.Option(min=2, help="--real: device KV blocks of each server "
+                                                                "(32 tokens each)")] = 64,
+    vllm_bench: Annotated[bool, typer.Option("--vllm-bench", help="--real: also run vLLM's own client (vllm "
+                                                                  "bench serve) against both servers")] = False,
 ) -> None:
     """Drive vLLM's real scheduler + AscendStoreConnector on CPU with a workload; report pool hits,
     prefill saved vs the infinite-cache bound, bytes moved, lookup latency and connector overhead."""
@@ -96,7 +102,7 @@ def bench(
     console = Console()
     if real:
         _bench_real(console, real_model, real_docs, real_rounds, backend, backend_config, kv_transfer_config,
-                    json_path)
+                    json_path, doc_lines=real_doc_lines, num_blocks=real_device_blocks, vllm_bench=vllm_bench)
         return
     if granularity not in ("block", "user", "both"):
         raise fail(f"--granularity {granularity!r}: choose block, user or both", 2)
@@ -224,7 +230,7 @@ def bench(
 
 
 def _bench_real(console, model: str, docs: int, rounds: int, backend: str, backend_config: str | None,
-                kv_transfer_config: str | None, json_path: Path | None) -> None:
+                kv_transfer_config: str | None, json_path: Path | None, **real_opts) -> None:
     from ascendstore.cli.common import extra_config_from, fail
     from ascendstore_vllm.bench.real import format_report, run_real
 
@@ -235,7 +241,7 @@ def _bench_real(console, model: str, docs: int, rounds: int, backend: str, backe
     console.print("starting two vLLM OpenAI servers (no pool, pool) ...", highlight=False)
     try:
         rep = run_real(model=model, docs=docs, rounds=rounds, backend=backend, backend_config=opts,
-                       extra_config=extra)
+                       extra_config=extra, **real_opts)
     except Exception as exc:
         raise fail(f"bench --real failed: {type(exc).__name__}: {exc}") from None
     console.print(format_report(rep), highlight=False)
