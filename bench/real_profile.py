@@ -43,6 +43,8 @@ def main() -> int:
     ap.add_argument("--extra-config", default="{}", help="JSON merged into kv_connector_extra_config")
     ap.add_argument("--py-spy", metavar="OUT", help="record the warm rounds with py-spy (raw stacks)")
     ap.add_argument("--py-spy-rate", type=int, default=200)
+    ap.add_argument("--py-spy-phase", choices=("cold", "warm"), default="warm",
+                    help="record the first round (saves) or the later ones (pool hits)")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
 
@@ -60,14 +62,25 @@ def main() -> int:
     spy = None
     try:
         server.start()
+
+        def record(phase: str) -> subprocess.Popen | None:
+            if not args.py_spy or args.py_spy_phase != phase:
+                return None
+            exe = shutil.which("py-spy") or str(Path(__file__).resolve().parents[1] / ".venv/bin/py-spy")
+            p = subprocess.Popen([exe, "record", "--pid", str(server.proc.pid), "--subprocesses", "--format", "raw",
+                                  "--rate", str(args.py_spy_rate), "--output", args.py_spy],
+                                 stdout=subprocess.DEVNULL, stderr=open(logs / "py-spy.log", "wb"))
+            time.sleep(2.0)  # py-spy attaches
+            return p
+
+        spy = record("cold")
         for doc in texts:
             ttft["cold"].append(server.complete(doc, args.max_tokens, logprobs=0).ttft_s)
-        if args.py_spy:
-            exe = shutil.which("py-spy") or str(Path(__file__).resolve().parents[1] / ".venv/bin/py-spy")
-            spy = subprocess.Popen([exe, "record", "--pid", str(server.proc.pid), "--subprocesses", "--format", "raw",
-                                    "--rate", str(args.py_spy_rate), "--output", args.py_spy],
-                                   stdout=subprocess.DEVNULL, stderr=open(logs / "py-spy.log", "wb"))
-            time.sleep(2.0)  # py-spy attaches
+        if spy is not None:
+            spy.send_signal(2)
+            spy.wait(60)
+            spy = None
+        spy = record("warm")
         warm = list(ttft)[1]
         for _ in range(1, args.rounds):
             for doc in texts:

@@ -90,6 +90,12 @@ class VllmServer:
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "PYTHONHASHSEED": "0",
+            # vLLM's CPU platform reserves one more core (for NIXL's threads) whenever a KV
+            # connector is configured: on a 2-core machine the server with a connector then
+            # runs its OpenMP threads on every core (spinning against its own engine core:
+            # +22 ms on a short step) while the one without runs on one. Same placement for
+            # every server, whatever its connector (measured: docs/real-models.md).
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
             **(env or {}),
         }
 
