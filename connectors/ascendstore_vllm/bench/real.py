@@ -138,7 +138,7 @@ def run_real(*, model: str = "llama", docs: int = 8, rounds: int = 3, max_tokens
                         if other is not s:
                             other.pause()
                     s.resume()
-                    c = s.complete(doc, max_tokens, logprobs=0)
+                    c = s.complete(doc, max_tokens, logprobs=1)  # token ids come with logprobs
                     outs[name] = c
                     side = sides[name]
                     (side.ttft_cold_s if r == 0 else side.ttft_warm_s).append(c.ttft_s)
@@ -146,6 +146,8 @@ def run_real(*, model: str = "llama", docs: int = 8, rounds: int = 3, max_tokens
                     side.requests += 1
                     side.prompt_tokens += c.prompt_tokens
                     side.cached_tokens += c.cached_tokens
+                if not outs["no pool"].token_ids:
+                    raise RuntimeError("the server returned no token ids: outputs cannot be compared")
                 mismatches += outs["no pool"].token_ids != outs["pool"].token_ids
         wall = time.monotonic() - t_all
         for s in servers.values():
