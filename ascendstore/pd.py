@@ -139,7 +139,7 @@ def validate_pd_config(
         )
 
     # PD split through the pool alone (no P2P connector): the prefill node saves the prompt,
-    # the decode node (consumer_is_to_load) loads it; both are checked once the pool's keys are.
+    # the decode node (consumer_is_to_load) loads it. Checked below, once the pool's keys are read.
     no_p2p = False
     if ktc.get("kv_connector") == "MultiConnector":
         pool_child = _check_children(ktc, role, policy, problems)
