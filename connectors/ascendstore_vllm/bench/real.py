@@ -98,6 +98,7 @@ def run_real(*, model: str = "llama", docs: int = 8, rounds: int = 3, max_tokens
         bcfg.setdefault("capacity", "256MiB")
     ktc = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
            "kv_connector_extra_config": {"backend": backend, "backend_config": bcfg, **(extra_config or {})}}
+    # max_model_len: room for long documents (VllmServer caps it to what the device cache holds)
     servers = {
         "no pool": VllmServer(path, log_path=logs / "no-pool.log", num_blocks=num_blocks, max_model_len=8192,
                               python=sys.executable),
