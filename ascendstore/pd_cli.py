@@ -34,7 +34,7 @@ def config_pd(
     backend_config: Annotated[
         str | None, typer.Option("--backend-config", help="backend options as JSON, or @file.json")
     ] = None,
-    p2p: Annotated[str, typer.Option("--p2p", help=f"P2P connector: {', '.join(P2P_CHOICES)}")] = "MooncakeConnector",
+    p2p: Annotated[str, typer.Option("--p2p", help=f"P2P connector: {', '.join(P2P_CHOICES)}, or none (the pool hands the prompt over)")] = "MooncakeConnector",
     protocol: Annotated[str, typer.Option("--protocol", help=f"Mooncake transfer protocol: {', '.join(PROTOCOLS)}")] = "rdma",
     instance: Annotated[int, typer.Option("--instance", min=0, help="index of this instance on its host (its lookup_rpc_port)")] = 0,
     bootstrap_address: Annotated[

@@ -81,11 +81,22 @@ def start(llama_model, servers, logdir):
 
 
 @pytest.fixture(scope="module")
-def no_connector(start, documents) -> dict:
-    """Outputs of the server without a connector (stopped afterwards: 2 cores)."""
+def pd_documents(documents) -> list[str]:
+    """Documents no server sees before the PD test (so only its prefill can put them in the pool)."""
+    from ascendstore_vllm.testing.tiny_models import CORPUS
+
+    lines = [ln for ln in CORPUS.read_text().splitlines() if ln.strip()]
+    rng = random.Random(7)
+    return [f"PD request {i}.\n" + "\n".join(rng.sample(lines, len(lines))[:16]) + "\nAnswer:" for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def no_connector(start, documents, pd_documents) -> dict:
+    """Outputs of the server without a connector (stopped afterwards: 2 cores): ``docs`` holds
+    ``documents`` first, then ``pd_documents``; ``gr`` the GR trace by (user, round)."""
     s = start("no-connector", None)
     try:
-        docs = [s.complete(d, MAX_TOKENS) for d in documents]
+        docs = [s.complete(d, MAX_TOKENS) for d in documents + pd_documents]
         gr = {(u, r): s.complete(gr_prompt(u, r), MAX_TOKENS, cache_salt=GR_USERS[u][1])
               for r in range(GR_ROUNDS) for u in range(len(GR_USERS))}
         return {"docs": docs, "gr": gr}
@@ -276,3 +287,41 @@ def test_second_server_process_shares_the_pool_with_async_loads(start, pool_a, r
         assert m["vllm:ascendstore_lookup_hit_tokens_total"] > 0
     finally:
         other.stop()
+
+
+def pd_complete(prefill: VllmServer, decode: VllmServer, prompt: str, max_tokens: int) -> tuple[Completion, Completion]:
+    """The PD proxy: the prompt to the prefill server with max_tokens 1, then to the decode server.
+    With the pool as the hand-off nothing else travels (no kv_transfer_params): the prefill
+    node's saves of the prompt are in the pool when its response ends (the local pool saves
+    on the forward thread, inline_save_bytes), and the decode node looks the prompt up."""
+    first = prefill.complete(prompt, 1, logprobs=0)
+    return first, decode.complete(prompt, max_tokens)
+
+
+def test_pd_split_through_the_pool_alone(start, pool_a, reference, documents, pd_documents) -> None:
+    """PD split without a P2P connector (vLLM's MooncakeConnector cannot start on a CPU-only
+    torch, docs/real-models.md): prefill is pool-a (kv_both), decode a server whose
+    MultiConnector holds only AscendStoreConnector as kv_consumer with consumer_is_to_load
+    (``ascendstore config pd --role decode --p2p none``). Decode takes every whole block of
+    the prompt from the pool and its outputs equal a single server's; a prompt no prefill
+    node saw is computed on decode (nothing in the pool), and decode saves nothing."""
+    from ascendstore.pd import build_pd_config
+
+    ref = reference[len(documents):]
+    decode = start("pd-decode", build_pd_config("decode", p2p="none", backend="local",
+                                                backend_config=POOL["backend_config"], instance=3))
+    try:
+        for i, doc in enumerate(pd_documents[:2]):
+            first, out = pd_complete(pool_a, decode, doc, MAX_TOKENS)
+            assert first.cached_tokens == 0, "a PD document reached the pool before its prefill"
+            assert_same_output(out, ref[i], f"PD split, document {i}")
+            assert out.cached_tokens == pooled(out.prompt_tokens), (out.cached_tokens, out.prompt_tokens)
+        alone = decode.complete(pd_documents[2], MAX_TOKENS)  # not prefilled: nothing to load
+        assert_same_output(alone, ref[2], "decode without prefill")
+        assert alone.cached_tokens == 0
+        m = decode.metrics()
+        served = sum(pooled(r.prompt_tokens) for r in ref[:2])
+        assert m["vllm:ascendstore_lookup_hit_tokens_total"] == served
+        assert m.get("vllm:ascendstore_save_bytes_total", 0) == 0, "a decode node without consumer_is_to_put saved"
+    finally:
+        decode.stop()

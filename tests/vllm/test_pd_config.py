@@ -84,7 +84,7 @@ def _mistakes() -> dict[str, tuple[dict, str]]:
     return {
         "wrong order": (swapped(d), "wrong order"),
         "pool missing": (pool_missing, "pool connector is missing"),
-        "no P2P on a split role": (no_p2p, "no P2P connector"),
+        "no P2P on a split role": (no_p2p, "without a P2P connector"),
         "failure policy that hangs": (hang, "loop forever"),
         "policy set on a child": (child_policy, "vLLM ignores"),
         "child role differs": (role_mismatch, "give every child the node's role"),
@@ -93,7 +93,7 @@ def _mistakes() -> dict[str, tuple[dict, str]]:
         "save_decode_cache without put": (decode_cache_without_put, "saves nothing"),
         "partition vs pp size": (partition, "prefill_pp_layer_partition"),
         "misspelt key": (bad_key, "Did you mean 'consumer_is_to_load'"),
-        "lone consumer pool": (lone_consumer, "never touches the pool"),
+        "lone consumer pool": (lone_consumer, "never loads"),
     }
 
 
@@ -168,6 +168,28 @@ def test_helper_output_is_sound_and_accepted_by_vllm(role: str) -> None:
     assert ktc.kv_load_failure_policy == "recompute"
     assert pool_of(cfg)["lookup_rpc_port"] == 1
     MultiConnector.requires_piecewise_for_cudagraph(ktc.kv_connector_extra_config)  # vLLM parses every child
+
+
+def test_pd_split_through_the_pool_alone_is_accepted() -> None:
+    """No P2P connector: prefill saves the prompt, decode loads it (consumer_is_to_load).
+    Served end to end by tests/real/test_openai_e2e.py."""
+    from ascendstore_vllm.connector import AscendStoreConnector
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    p, d = build_pd_config("prefill", p2p="none"), build_pd_config("decode", p2p="none")
+    for cfg in (p, d):
+        assert validate_pd_config(cfg) == []
+        assert [KVConnectorFactory.get_connector_class(KVTransferConfig(**c)) for c in children(cfg)] == [
+            AscendStoreConnector]
+    assert children(d)[0]["kv_connector_extra_config"]["consumer_is_to_load"] is True
+    lone = {**children(d)[0], "kv_load_failure_policy": "recompute"}  # the pool connector alone, kv_consumer
+    assert validate_pd_config(lone) == []
+    no_load = copy.deepcopy(lone)
+    del no_load["kv_connector_extra_config"]["consumer_is_to_load"]
+    assert any("never loads" in x for x in validate_pd_config(no_load))
+    with pytest.raises(ConfigError, match="none"):
+        build_pd_config("decode", p2p="pigeon")
 
 
 def test_pool_access_follows_roles() -> None:

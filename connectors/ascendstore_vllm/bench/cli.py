@@ -88,6 +88,12 @@ def bench(
     real_history: Annotated[int, typer.Option(min=32, help="--real-workload gr: history tokens per user")] = 1000,
     real_candidates: Annotated[int, typer.Option(min=1, help="--real-workload gr: new candidate tokens per "
                                                              "request")] = 64,
+    real_doc_lines: Annotated[int, typer.Option(min=1, help="--real: corpus lines per document (44: ~1,400 "
+                                                            "tokens)")] = 44,
+    real_device_blocks: Annotated[int, typer.Option(min=2, help="--real: device KV blocks of each server "
+                                                                "(32 tokens each)")] = 64,
+    vllm_bench: Annotated[bool, typer.Option("--vllm-bench", help="--real: also run vLLM's own client (vllm "
+                                                                  "bench serve) against both servers")] = False,
 ) -> None:
     """Drive vLLM's real scheduler + AscendStoreConnector on CPU with a workload; report pool hits,
     prefill saved vs the infinite-cache bound, bytes moved, lookup latency and connector overhead."""
@@ -112,7 +118,7 @@ def bench(
 
             raise fail(f"--real-workload {real_workload!r}: choose docs or gr", 2)
         _bench_real(console, real_model, real_docs, real_rounds, backend, backend_config, kv_transfer_config,
-                    json_path)
+                    json_path, doc_lines=real_doc_lines, num_blocks=real_device_blocks, vllm_bench=vllm_bench)
         return
     if granularity not in ("block", "user", "both"):
         raise fail(f"--granularity {granularity!r}: choose block, user or both", 2)
@@ -240,7 +246,7 @@ def bench(
 
 
 def _bench_real(console, model: str, docs: int, rounds: int, backend: str, backend_config: str | None,
-                kv_transfer_config: str | None, json_path: Path | None) -> None:
+                kv_transfer_config: str | None, json_path: Path | None, **real_opts) -> None:
     from ascendstore.cli.common import extra_config_from, fail
     from ascendstore_vllm.bench.real import format_report, run_real
 
@@ -251,7 +257,7 @@ def _bench_real(console, model: str, docs: int, rounds: int, backend: str, backe
     console.print("starting two vLLM OpenAI servers (no pool, pool) ...", highlight=False)
     try:
         rep = run_real(model=model, docs=docs, rounds=rounds, backend=backend, backend_config=opts,
-                       extra_config=extra)
+                       extra_config=extra, **real_opts)
     except Exception as exc:
         raise fail(f"bench --real failed: {type(exc).__name__}: {exc}") from None
     console.print(format_report(rep), highlight=False)

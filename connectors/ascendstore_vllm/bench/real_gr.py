@@ -117,7 +117,7 @@ def run_real_gr(*, model: str = "llama", users: int = 8, rounds: int = 3, histor
                         other.pause()
                 s.resume()
                 params = None if name == "no pool" else {"uid": uid, "user_history_len": hist}
-                c = s.complete(prompt, max_tokens, logprobs=0, kv_transfer_params=params)
+                c = s.complete(prompt, max_tokens, logprobs=1, kv_transfer_params=params)  # token ids come with logprobs
                 outs[name] = c
                 side = sides[name]
                 (side.ttft_cold_s if rnd == 0 else side.ttft_warm_s).append(c.ttft_s)

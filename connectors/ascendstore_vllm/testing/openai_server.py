@@ -90,6 +90,12 @@ class VllmServer:
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "PYTHONHASHSEED": "0",
+            # vLLM's CPU platform reserves one more core (for NIXL's threads) whenever a KV
+            # connector is configured: on a 2-core machine the server with a connector then
+            # runs its OpenMP threads on every core (spinning against its own engine core:
+            # +22 ms on a short step) while the one without runs on one. Same placement for
+            # every server, whatever its connector (measured: docs/real-models.md).
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
             **(env or {}),
         }
 
@@ -150,7 +156,8 @@ class VllmServer:
     def complete(self, prompt: str | list[int], max_tokens: int = 8, *, logprobs: int = 5,
                  kv_transfer_params: dict | None = None, cache_salt: str | None = None,
                  timeout_s: float = 300.0) -> Completion:
-        """A greedy streamed completion (temperature 0), read chunk by chunk as it arrives."""
+        """A greedy streamed completion (temperature 0), read chunk by chunk as it arrives.
+        Token ids and logprobs come only with ``logprobs`` >= 1 (vLLM names tokens in them)."""
         body: dict[str, Any] = {
             "model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}, "return_tokens_as_token_ids": True,
@@ -167,7 +174,9 @@ class VllmServer:
         with requests.post(self.url + "/v1/completions", json=body, stream=True, timeout=timeout_s) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {r.text[:2000]}")
-            for line in r.iter_lines():
+            # chunk_size None: lines as bytes arrive (the default waits for 512 bytes, i.e.
+            # for a later token, and would date the first token late)
+            for line in r.iter_lines(chunk_size=None):
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
@@ -177,11 +186,13 @@ class VllmServer:
                     out.cached_tokens = ((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
                 if chunk.get("kv_transfer_params"):
                     out.kv_transfer_params = chunk["kv_transfer_params"]
-                for ch in chunk.get("choices") or []:
+                choices = chunk.get("choices") or []
+                if choices and not out.ttft_s:
+                    # the first chunk with a choice carries the first token (as vLLM's own client counts)
+                    out.ttft_s = time.monotonic() - t0
+                for ch in choices:
                     lp = ch.get("logprobs") or {}
                     toks = lp.get("tokens") or []
-                    if toks and not out.token_ids:
-                        out.ttft_s = time.monotonic() - t0
                     out.token_ids += [_token_id(t) for t in toks]
                     out.logprobs += lp.get("token_logprobs") or []
                     out.top += [{_token_id(k): v for k, v in (d or {}).items()} for d in lp.get("top_logprobs") or []]
