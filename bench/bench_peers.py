@@ -189,7 +189,9 @@ def bench_disk(size: int, n_objs: int, rounds: int) -> dict:
     import time
 
     with tempfile.TemporaryDirectory(prefix="peers-disk-", dir=os.environ.get("BENCH_DISK_DIR")) as d:
-        sm, mkkey, shape = _lmcache(4 * BATCH * size + 64 * MiB, size, disk=os.path.join(d, "lmcache") + "/",
+        # LMCache stages every write in its CPU allocator until the disk worker has
+        # written it: room for a whole round, so its puts never wait on allocation.
+        sm, mkkey, shape = _lmcache(2 * n_objs * size + 64 * MiB, size, disk=os.path.join(d, "lmcache") + "/",
                                     disk_bytes=4 * n_objs * size)
         disk = sm.storage_backends["LocalDiskBackend"]
         cpu = sm.storage_backends["LocalCPUBackend"]
