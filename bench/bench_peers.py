@@ -173,7 +173,7 @@ def bench_dram(size: int, working_set: int, rounds: int, min_s: float) -> dict:
 def bench_disk(size: int, n_objs: int, rounds: int) -> dict:
     """Disk tiers, wall time (the cost is I/O waits), each side to the page cache
     (neither fsyncs: LMCache's LocalDiskBackend writes one file per chunk with a
-    plain write(); our tier pwrite()s spilled objects into segment files).
+    plain write(); our tier pwritev()s spilled objects into segment files).
 
     - put: LMCache ``LocalDiskBackend.batched_submit_put_task`` (its write-through
       path: asynchronous, on its disk worker threads) timed until every key's
