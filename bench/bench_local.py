@@ -12,7 +12,10 @@ same kind of call as a pool put/get:
   without a batched API pays);
 - ``memcpy shm``: the bulk call into a mirror in /dev/shm, the kind of memory
   the pool lives in (shared memory gets no transparent huge pages on this host
-  unless shmem_enabled allows it, anonymous memory does).
+  unless shmem_enabled allows it, anonymous memory does);
+- ``stream``: the bulk call into the anonymous mirror with the pool's own copy
+  routine (streaming stores for a put batch of 1 MiB or more, a get batch of
+  half the last-level cache or more): what the pool costs beyond its copy.
 
 Ratios are taken per round (pool and baseline of the same round) and reported
 as median (min..max) with the spread. Bounded: about a minute (``--quick``: 15 s).
@@ -104,8 +107,8 @@ def bench_dram(size: int, rounds: int, min_s: float, pool_bytes: int, page_size:
 
             return fn
 
-        def memcpy(to_pool: bool, mirror: str, per_object: bool) -> Callable[[], int]:
-            name = f"memcpy-{to_pool}-{mirror}-{per_object}"
+        def memcpy(to_pool: bool, mirror: str, per_object: bool, stream: int = 0) -> Callable[[], int]:
+            name = f"memcpy-{to_pool}-{mirror}-{per_object}-{stream}"
             cr = _shmpool.copy_regions
 
             def fn() -> int:
@@ -115,7 +118,7 @@ def bench_dram(size: int, rounds: int, min_s: float, pool_bytes: int, page_size:
                     for d, s in zip(dst, src, strict=True):
                         cr((d,), (s,), size)
                 else:
-                    cr(dst, src, size)
+                    cr(dst, src, size, stream)
                 return nbytes
 
             return fn
@@ -130,11 +133,12 @@ def bench_dram(size: int, rounds: int, min_s: float, pool_bytes: int, page_size:
             cases[f"{op}: memcpy"] = memcpy(to_pool, "anon", False)
             cases[f"{op}: memcpy/obj"] = memcpy(to_pool, "anon", True)
             cases[f"{op}: memcpy shm"] = memcpy(to_pool, "shm", False)
+            cases[f"{op}: stream"] = memcpy(to_pool, "anon", False, stream=1 if to_pool else 2)
         samples = interleave({k: (lambda f=f: rate(f, min_s) / 1e9) for k, f in cases.items()}, rounds)
         out: dict = {"gbps": {k: stat(v).as_dict() for k, v in samples.items()}, "ratio": {}}
         for op in ("put", "get"):
             for ck in ("off", "on"):
-                for base in ("memcpy", "memcpy/obj", "memcpy shm"):
+                for base in ("memcpy", "memcpy/obj", "memcpy shm", "stream"):
                     r = ratios(samples[f"{op} checksum {ck}"], samples[f"{op}: {base}"])
                     out["ratio"][f"{op} checksum {ck} / {base}"] = r.as_dict()
         # byte-exact check of what was measured
@@ -233,7 +237,7 @@ def main(
         title=f"local pool vs memcpy, batches of {BATCH}, {rounds} interleaved rounds: "
         "median (min..max) ±half-spread; ratio = pool / baseline of the same round"
     )
-    for col in ("object", "op", "checksum", "pool GB/s", "÷ memcpy", "÷ memcpy/obj", "÷ memcpy shm"):
+    for col in ("object", "op", "checksum", "pool GB/s", "÷ memcpy", "÷ memcpy/obj", "÷ memcpy shm", "÷ stream"):
         t.add_column(col, justify="right", no_wrap=True)
     for name, r in results.items():
         if not name.startswith("dram_"):
@@ -246,13 +250,14 @@ def main(
                     op,
                     ck,
                     _s(r["gbps"][f"{op} checksum {ck}"]),
-                    *(_s(rr[f"{op} checksum {ck} / {b}"]) for b in ("memcpy", "memcpy/obj", "memcpy shm")),
+                    *(_s(rr[f"{op} checksum {ck} / {b}"]) for b in ("memcpy", "memcpy/obj", "memcpy shm", "stream")),
                 )
         for op in ("put", "get"):
             g = r["gbps"]
             con.print(
                 f"{name.split('_')[1]} {op} baselines GB/s: memcpy {_s(g[f'{op}: memcpy'])}, "
-                f"memcpy/obj {_s(g[f'{op}: memcpy/obj'])}, memcpy shm {_s(g[f'{op}: memcpy shm'])}"
+                f"memcpy/obj {_s(g[f'{op}: memcpy/obj'])}, memcpy shm {_s(g[f'{op}: memcpy shm'])}, "
+                f"stream {_s(g[f'{op}: stream'])}"
             )
     con.print(t)
     d = results["disk_64KiB"]

@@ -14,7 +14,9 @@ interleaved round by round (bench/harness.py), CPU time:
   against our ``get``;
 - baseline for both: one C memcpy per object (``_shmpool.copy_regions``);
 - lookup: ``StorageManager.batched_contains`` of 512 keys (prefix hits) against
-  our ``exists`` of 512 keys and our native prefix scan (``prefix_run``).
+  our ``exists`` of 512 keys and our native prefix scan (``prefix_run``);
+- disk tier (``bench_disk``): LMCache ``LocalDiskBackend`` against our disk
+  tier, wall time, both to the page cache (see there).
 
     LMCACHE_DISABLE_BANNER=1 LMCACHE_TRACK_USAGE=false .venv-peers/bin/python bench/bench_peers.py [--json]
 """
@@ -47,7 +49,7 @@ BATCH = 32
 app = typer.Typer(add_completion=False)
 
 
-def _lmcache(cpu_bytes: int, obj_bytes: int):  # type: ignore[no-untyped-def]
+def _lmcache(cpu_bytes: int, obj_bytes: int, disk: str | None = None, disk_bytes: int = 0):  # type: ignore[no-untyped-def]
     from lmcache.utils import CacheEngineKey
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.event_manager import EventManager
@@ -55,7 +57,8 @@ def _lmcache(cpu_bytes: int, obj_bytes: int):  # type: ignore[no-untyped-def]
     from lmcache.v1.storage_backend.storage_manager import StorageManager
 
     cfg = LMCacheEngineConfig.from_defaults(
-        chunk_size=256, local_cpu=True, max_local_cpu_size=cpu_bytes / 2**30, local_disk=None, max_local_disk_size=0
+        chunk_size=256, local_cpu=True, max_local_cpu_size=cpu_bytes / 2**30, local_disk=disk,
+        max_local_disk_size=disk_bytes / 2**30,
     )
     half = obj_bytes // 4  # bfloat16 KV_2LTD [2, 1, half, 1]: obj_bytes bytes
     meta = LMCacheMetadata(model_name="bench", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
@@ -167,6 +170,125 @@ def bench_dram(size: int, working_set: int, rounds: int, min_s: float) -> dict:
         sm.close()
 
 
+def bench_disk(size: int, n_objs: int, rounds: int) -> dict:
+    """Disk tiers, wall time (the cost is I/O waits), each side to the page cache
+    (neither fsyncs: LMCache's LocalDiskBackend writes one file per chunk with a
+    plain write(); our tier pwritev()s spilled objects into segment files).
+
+    - put: LMCache ``LocalDiskBackend.batched_submit_put_task`` (its write-through
+      path: asynchronous, on its disk worker threads) timed until every key's
+      completion callback ran, i.e. until its bytes are written; ours: ``put``
+      into a DRAM tier of one batch, so every put spills as many objects to
+      disk before returning;
+    - get of objects on disk: LMCache ``batched_get_blocking`` (concurrent reads
+      into objects from its CPU allocator) + a torch copy out + release; ours:
+      ``get`` (read from disk into the caller's memory, then promoted to DRAM).
+    """
+    import tempfile
+    import threading
+    import time
+
+    with tempfile.TemporaryDirectory(prefix="peers-disk-", dir=os.environ.get("BENCH_DISK_DIR")) as d:
+        # LMCache stages every write in its CPU allocator until the disk worker has
+        # written it: room for a whole round, so its puts never wait on allocation.
+        sm, mkkey, shape = _lmcache(2 * n_objs * size + 64 * MiB, size, disk=os.path.join(d, "lmcache") + "/",
+                                    disk_bytes=4 * n_objs * size)
+        disk = sm.storage_backends["LocalDiskBackend"]
+        cpu = sm.storage_backends["LocalCPUBackend"]
+        opts = LocalOptions(name=f"peers-{uuid.uuid4().hex[:8]}", capacity=BATCH * size, page_size=64 * KiB,
+                            prefault=True, disk_path=os.path.join(d, "ours"), disk_capacity=4 * n_objs * size)
+        pool = LocalBackend.create(opts, BackendContext())
+        try:
+            src = [torch.randint(-100, 100, tuple(shape)).to(torch.bfloat16) for _ in range(BATCH)]
+            dst = [torch.empty(shape, dtype=torch.bfloat16) for _ in range(BATCH)]
+            sregions = [[Region(t.data_ptr(), size)] for t in src]
+            dregions = [[Region(t.data_ptr(), size)] for t in dst]
+            n = n_objs // BATCH * BATCH
+            rnd = iter(range(10**9))
+            state: dict[str, list] = {}
+
+            def lm_put() -> float:
+                names = [f"d/{next(rnd)}" for _ in range(n)]
+                keys = [mkkey(x) for x in names]
+                left = [n]
+                done = threading.Event()
+                lock = threading.Lock()
+
+                def landed(_key) -> None:  # type: ignore[no-untyped-def]
+                    with lock:
+                        left[0] -= 1
+                        if not left[0]:
+                            done.set()
+
+                t0 = time.perf_counter()
+                for i in range(0, n, BATCH):
+                    objs = cpu.batched_allocate(shape, torch.bfloat16, BATCH)
+                    assert objs is not None and len(objs) == BATCH
+                    for o, t in zip(objs, src, strict=True):
+                        o.tensor.copy_(t)
+                    disk.batched_submit_put_task(keys[i : i + BATCH], objs, on_complete_callback=landed)
+                    for o in objs:
+                        o.ref_count_down()  # the disk task holds its own reference until written
+                assert done.wait(120), "LMCache disk writes did not finish"
+                dt = time.perf_counter() - t0
+                state["lm"] = keys
+                return n * size / dt / 1e9
+
+            def ours_put() -> float:
+                names = [f"d/{next(rnd)}" for _ in range(n)]
+                t0 = time.perf_counter()
+                for i in range(0, n, BATCH):
+                    assert pool.put(names[i : i + BATCH], sregions, 5.0) == [Status.OK] * BATCH
+                dt = time.perf_counter() - t0
+                state["ours"] = names
+                return n * size / dt / 1e9
+
+            def lm_get() -> float:
+                keys = state["lm"]
+                t0 = time.perf_counter()
+                for i in range(0, n // 2, BATCH):  # the older half: certainly on disk on both sides
+                    objs = disk.batched_get_blocking(keys[i : i + BATCH])
+                    for o, t in zip(objs, dst, strict=True):
+                        assert o is not None
+                        t.copy_(o.tensor)
+                        o.ref_count_down()
+                return (n // 2) * size / (time.perf_counter() - t0) / 1e9
+
+            def ours_get() -> float:
+                names = state["ours"]
+                t0 = time.perf_counter()
+                for i in range(0, n // 2, BATCH):
+                    assert pool.get(names[i : i + BATCH], dregions, 5.0) == [Status.OK] * BATCH
+                return (n // 2) * size / (time.perf_counter() - t0) / 1e9
+
+            # A round: both puts, then both gets of what that round wrote (puts must precede gets).
+            s = interleave({"put lmcache": lm_put, "put ours": ours_put}, 1, warmup=0)
+            gets = interleave({"get lmcache": lm_get, "get ours": ours_get}, 1, warmup=0)
+            for _ in range(rounds - 1):
+                for k, v in interleave({"put lmcache": lm_put, "put ours": ours_put}, 1, warmup=0).items():
+                    s[k] += v
+                for k, v in interleave({"get lmcache": lm_get, "get ours": ours_get}, 1, warmup=0).items():
+                    gets[k] += v
+            s.update(gets)
+            # both read back the bytes they were given
+            for d_ in dst:
+                d_.zero_()
+            lm_get()
+            assert all(torch.equal(a, b) for a, b in zip(dst, src, strict=True))
+            for d_ in dst:
+                d_.zero_()
+            ours_get()
+            assert all(torch.equal(a, b) for a, b in zip(dst, src, strict=True))
+            st = pool.stats()
+            return {"gbps": {k: stat(v).as_dict() for k, v in s.items()},
+                    "ratio": {f"{op} ours / lmcache": ratios(s[f"{op} ours"], s[f"{op} lmcache"]).as_dict()
+                              for op in ("put", "get")},
+                    "objects_per_round": n, "spills": st["spills"], "disk_hits": st["disk_hits"]}
+        finally:
+            pool.destroy()
+            sm.close()
+
+
 def bench_lookup(n: int, rounds: int, calls: int) -> dict:
     sm, mkkey, shape = _lmcache(256 * MiB, 4 * KiB)
     pool = _open_pool(256 * MiB)
@@ -221,6 +343,7 @@ def main(
     res["dram_64KiB"] = bench_dram(64 * KiB, 64 * MiB, rounds, min_s)
     res["dram_2048KiB"] = bench_dram(2 * MiB, 256 * MiB, rounds, min_s)
     res["lookup_512"] = bench_lookup(512, rounds, 20 if quick else 50)
+    res["disk_256KiB"] = bench_disk(256 * KiB, 256 if quick else 512, 2 if quick else 3)
     res["env_after"] = env_info()
     if as_json:
         print(json.dumps(res, indent=2))
@@ -244,6 +367,14 @@ def main(
         f"{_fmt(lk['us']['ours exists'], 1)} us, our prefix_run {_fmt(lk['us']['ours prefix_run'], 1)} us; "
         f"LMCache ÷ ours: {_fmt(lk['ratio']['lmcache / ours exists'])} (exists), "
         f"{_fmt(lk['ratio']['lmcache / ours prefix_run'])} (prefix_run)"
+    )
+    dk = res["disk_256KiB"]
+    con.print(
+        f"disk tier, 256 KiB objects, {dk['objects_per_round']} per round, wall time, to the page cache (no fsync "
+        f"either side): put ours {_fmt(dk['gbps']['put ours'])} GB/s vs LMCache {_fmt(dk['gbps']['put lmcache'])} "
+        f"(ours ÷ LMCache {_fmt(dk['ratio']['put ours / lmcache'])}); get of on-disk objects ours "
+        f"{_fmt(dk['gbps']['get ours'])} vs LMCache {_fmt(dk['gbps']['get lmcache'])} "
+        f"(ours ÷ LMCache {_fmt(dk['ratio']['get ours / lmcache'])})"
     )
     con.print(f"load average before {env0['loadavg']}, after {res['env_after']['loadavg']}")
 

@@ -82,6 +82,33 @@ def test_round_trip_several_regions_odd_sizes(make_pool):
     assert np.array_equal(d2, src[-1])
 
 
+@pytest.mark.parametrize("checksum", [False, True])
+def test_streaming_copies_round_trip_byte_for_byte(make_pool, checksum):
+    """Large batches are copied with streaming stores (_shmpool.stream_min); forced
+    here on every piece of 4 KiB or more: odd sizes, odd alignments, many regions."""
+    from ascendstore.local import _shmpool
+
+    saved = _shmpool.stream_min()
+    try:
+        be = make_pool(page_size=4 * KiB, capacity=16 * MiB, checksum=checksum)
+        for put_min, get_min in ((0, 0), (1 << 20, 1 << 20), (1 << 62, 1 << 62)):
+            _shmpool.stream_min(put_min, get_min)
+            rng = np.random.default_rng(put_min % 1000)
+            sizes = [*SIZES, 3 * MiB + 13]
+            keys = [f"st/{put_min}/{n}" for n in sizes]
+            src = [data(n + 3, i)[3:] for i, n in enumerate(sizes)]  # unaligned sources
+            put_regions = [split(s, sorted(rng.integers(0, len(s) + 1, 5).tolist())) for s in src]
+            assert be.put(keys, put_regions, T) == [OK] * len(sizes)
+            dst = [np.zeros(n + 5, dtype=np.uint8)[5:] for n in sizes]  # unaligned destinations
+            get_regions = [split(d, sorted(rng.integers(0, len(d) + 1, 4).tolist())) for d in dst]
+            assert be.get(keys, get_regions, T) == [OK] * len(sizes)
+            for s, d in zip(src, dst, strict=True):
+                assert np.array_equal(s, d)
+    finally:
+        _shmpool.stream_min(*saved)
+    assert _shmpool.stream_min() == saved
+
+
 def test_zero_length_objects(make_pool):
     be = make_pool()
     buf = data(16, 1)

@@ -86,7 +86,16 @@ def child_get(opts: dict, keys: list[str], q) -> None:
     be.close()
 
 
-def child_stress(opts: dict, writer: int, n_ops: int, n_keys: int, q) -> None:
+def stream_all(stream: bool) -> None:
+    """Copy every piece of 4 KiB or more with streaming stores (the path of large batches)."""
+    if stream:
+        from ascendstore.local import _shmpool
+
+        _shmpool.stream_min(0, 0)
+
+
+def child_stress(opts: dict, writer: int, n_ops: int, n_keys: int, q, stream: bool = False) -> None:
+    stream_all(stream)
     be = open_pool(opts)
     rng = random.Random(writer)
     keys = [f"stress/{i}" for i in range(n_keys)]
@@ -132,7 +141,8 @@ def child_stress(opts: dict, writer: int, n_ops: int, n_keys: int, q) -> None:
     be.close()
 
 
-def child_race(opts: dict, writer: int, rounds: int, q) -> None:
+def child_race(opts: dict, writer: int, rounds: int, q, stream: bool = False) -> None:
+    stream_all(stream)
     be = open_pool(opts)
     torn = 0
     out = np.zeros(200_000, np.uint8)
@@ -222,13 +232,14 @@ def test_objects_are_visible_across_processes(pool_opts):
         be.destroy()
 
 
-def test_four_process_stress_has_no_torn_reads(pool_opts):
+@pytest.mark.parametrize("stream", [False, True], ids=["memcpy", "streaming"])
+def test_four_process_stress_has_no_torn_reads(pool_opts, stream):
     # checksum off: versions alone must prevent torn reads; small: constant eviction and page reuse
     pool_opts.update(capacity=1 * MiB, page_size=16 * KiB, checksum=False)
     be = open_pool(pool_opts)
     try:
         q = CTX.Queue()
-        procs = [run(child_stress, pool_opts, w, 2600, 40, q) for w in range(4)]
+        procs = [run(child_stress, pool_opts, w, 2600, 40, q, stream) for w in range(4)]
         results = [q.get(timeout=240) for _ in procs]
         for p in procs:
             p.join(30)
@@ -272,12 +283,13 @@ def test_stress_through_the_disk_tier_has_no_torn_reads(pool_opts, tmp_path):
         be.destroy()
 
 
-def test_racing_writers_of_one_key_leave_one_complete_value(pool_opts):
+@pytest.mark.parametrize("stream", [False, True], ids=["memcpy", "streaming"])
+def test_racing_writers_of_one_key_leave_one_complete_value(pool_opts, stream):
     pool_opts.update(capacity=1 * MiB, checksum=False)
     be = open_pool(pool_opts)
     try:
         q = CTX.Queue()
-        procs = [run(child_race, pool_opts, w, 150, q) for w in range(4)]
+        procs = [run(child_race, pool_opts, w, 150, q, stream) for w in range(4)]
         torn = [q.get(timeout=120) for _ in procs]
         for p in procs:
             p.join(30)

@@ -173,7 +173,7 @@ def lookup_load_miss_counter(metrics: EngineMetrics):  # type: ignore[no-untyped
 
     def observe(op: str, statuses: list) -> None:
         if op == "get":
-            n = sum(s is Status.NOT_FOUND for s in statuses)
+            n = statuses.count(Status.NOT_FOUND)
             if n:
                 metrics.add(lookup_load_misses=n)
 

@@ -16,7 +16,6 @@ from ascendstore.keys import PoolKey, RankPart
 
 
 @lru_cache(maxsize=8192)
-@lru_cache(maxsize=4096)
 def _key_prefix(tenant: str, fingerprint: str, rank: RankPart, layer: int | None) -> str:
     """Everything of a key but the chunk hash. Lookups of long prompts build
     thousands of keys; concatenating onto a cached prefix keeps that cheap (and
@@ -42,6 +41,10 @@ class KeyBuilder:
 
     def key(self, tenant: str, chunk_hash: str, layer: int | None = None) -> str:
         return _key_prefix(tenant, self.fingerprint, self.rank, layer) + chunk_hash
+
+    def prefix(self, tenant: str, layer: int | None = None) -> str:
+        """Everything of this rank's key but the chunk hash (``key`` is ``prefix + chunk_hash``)."""
+        return _key_prefix(tenant, self.fingerprint, self.rank, layer)
 
     def keys(self, tenant: str, chunk_hashes: Sequence[str]) -> list[str]:
         prefix = _key_prefix(tenant, self.fingerprint, self.rank, None)
@@ -105,7 +108,7 @@ def stagger(items: Sequence, index: int, size: int) -> list:
     return list(items[shift:]) + list(items[:shift])
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class ChunkOp:
     """One object to move: key, regions in order, and the device blocks it fills.
 

@@ -646,7 +646,7 @@ class TransferEngine:
         max_bytes, max_blocks = self._batch_limit(task, pipelined, stager)
         for batch in batches(ops, max_bytes, max_blocks):
             # Build this batch's regions while the previous batch is being copied.
-            regions = [op.materialize() for op in batch]
+            regions = [op.regions if op.build is None else op.materialize() for op in batch]
             if pending is not None:
                 self._collect_load(task, *pending)
                 pending = None
@@ -672,7 +672,7 @@ class TransferEngine:
                     statuses = self._staged_get(task, batch, stager)
             finally:
                 self._budget.release(nbytes)
-            self._load_done(task, batch, statuses, time.perf_counter() - t0)
+            self._load_done(task, batch, statuses, time.perf_counter() - t0, nbytes)
         if pending is not None:
             self._collect_load(task, *pending)
 
@@ -705,14 +705,19 @@ class TransferEngine:
             statuses = self.guard.result(call)
         finally:
             self._budget.release(nbytes)
-        self._load_done(task, batch, statuses, time.perf_counter() - t0)
+        self._load_done(task, batch, statuses, time.perf_counter() - t0, nbytes)
 
-    def _load_done(self, task: _Task, batch: list[ChunkOp], statuses: list[Status], dt: float) -> None:
-        good = [op for op, s in zip(batch, statuses, strict=True) if s is Status.OK]
-        if dt:
-            self.metrics.add(load_ops=len(good), load_bytes=sum(op.nbytes for op in good), load_time_s=dt)
-        bad = [op for op, s in zip(batch, statuses, strict=True) if s is not Status.OK]
-        if bad:
+    def _load_done(self, task: _Task, batch: list[ChunkOp], statuses: list[Status], dt: float,
+                   nbytes: int = 0) -> None:
+        if statuses.count(Status.OK) == len(batch):  # the usual case, without a pass per op
+            if dt:
+                self.metrics.add(load_ops=len(batch), load_bytes=nbytes or sum(op.nbytes for op in batch),
+                                 load_time_s=dt)
+        else:
+            good = [op for op, s in zip(batch, statuses, strict=True) if s is Status.OK]
+            if dt:
+                self.metrics.add(load_ops=len(good), load_bytes=sum(op.nbytes for op in good), load_time_s=dt)
+            bad = [op for op, s in zip(batch, statuses, strict=True) if s is not Status.OK]
             self.metrics.add(load_failures=len(bad))
             for op in bad:
                 task.failed.update(op.block_ids)
@@ -740,19 +745,24 @@ class TransferEngine:
         if task.before is not None:
             task.before()
         ops = task.ops
-        landed: dict[int, bool] = {}  # id(op) -> in the pool after this task
-        stored: set[int] = set()  # id(op) put by this task
+        # Per-op outcomes matter only to layerwise saves sharing one exists (a chunk
+        # is stored whole or dropped); plain saves skip that bookkeeping.
+        track = task.shared_exists is not None and task.layer is not None
+        landed: dict[int, bool] | None = {} if track else None  # id(op) -> in the pool after this task
+        stored: set[int] | None = set() if track else None  # id(op) put by this task
         try:
             self._save_ops(task, ops, landed, stored)
         finally:
-            if task.shared_exists is not None and task.layer is not None:
+            if track:
+                assert task.shared_exists is not None and landed is not None and stored is not None
                 drop = task.shared_exists.settle(task.req_id, ops, [landed.get(id(op), False) for op in ops],
                                                  [id(op) in stored for op in ops])
                 if drop:
                     self.metrics.add(save_partial_removed=len(drop))
                     self.guard.submit_remove(drop)
 
-    def _save_ops(self, task: _Task, ops: list[ChunkOp], landed: dict[int, bool], stored: set[int]) -> None:
+    def _save_ops(self, task: _Task, ops: list[ChunkOp], landed: dict[int, bool] | None,
+                  stored: set[int] | None) -> None:
         if self._late(task):
             # Waited in the queue past the timeout: give the blocks back now.
             self.metrics.add(save_dropped_late=len(ops))
@@ -760,23 +770,27 @@ class TransferEngine:
         if task.skip_existing and ops:
             if task.shared_exists is not None:
                 present = task.shared_exists.present(self.guard)
-                keep = [op for op in ops if op.key not in present]
+                keep = [op for op in ops if op.key not in present] if present else ops
             else:
                 exists = self.guard.exists([op.key for op in ops])
-                keep = [op for op, s in zip(ops, exists, strict=True) if s is not Status.OK]
-            self.metrics.add(save_skipped_existing=len(ops) - len(keep))
-            kept = {id(op) for op in keep}
-            existing = [op for op in ops if id(op) not in kept]
-            landed.update((id(op), True) for op in existing)
-            if existing:
+                if Status.OK not in exists:  # the usual case: nothing of this save is pooled yet
+                    keep = ops
+                else:
+                    keep = [op for op, s in zip(ops, exists, strict=True) if s is not Status.OK]
+            if len(keep) != len(ops):
+                self.metrics.add(save_skipped_existing=len(ops) - len(keep))
+                kept = {id(op) for op in keep}
+                existing = [op for op in ops if id(op) not in kept]
+                if landed is not None:
+                    landed.update((id(op), True) for op in existing)
                 self._note_landed(op.key for op in existing)
             ops = keep
         stager = self.stager
         pipelined = stager is None and not self.guard.inline
-        pending: tuple[list[ChunkOp], int, PendingCall, float] | None = None
+        pending: tuple[list[ChunkOp], int, PendingCall, float, list[str]] | None = None
         max_bytes, max_blocks = self._batch_limit(task, pipelined, stager)
         for batch in batches(ops, max_bytes, max_blocks):
-            regions = [op.materialize() for op in batch]
+            regions = [op.regions if op.build is None else op.materialize() for op in batch]
             if pending is not None:
                 self._collect_save(task, *pending, landed, stored)
                 pending = None
@@ -787,7 +801,7 @@ class TransferEngine:
             t0 = time.perf_counter()
             keys = [op.key for op in batch]
             if pipelined or stager is None:
-                pending = (batch, nbytes, self.guard.submit_put(keys, regions), t0)
+                pending = (batch, nbytes, self.guard.submit_put(keys, regions), t0, keys)
                 if not pipelined:  # an inline backend: the put already ran on this thread
                     self._collect_save(task, *pending, landed, stored)
                     pending = None
@@ -802,12 +816,12 @@ class TransferEngine:
                         self._retire(stager, "save", release)  # type: ignore[arg-type]
             finally:
                 self._budget.release(nbytes)
-            self._save_done(batch, statuses, time.perf_counter() - t0, landed, stored)
+            self._save_done(batch, nbytes, keys, statuses, time.perf_counter() - t0, landed, stored)
         if pending is not None:
             self._collect_save(task, *pending, landed, stored)
 
     def _collect_save(self, task: _Task, batch: list[ChunkOp], nbytes: int, call: PendingCall, t0: float,
-                      landed: dict[int, bool], stored: set[int]) -> None:
+                      keys: list[str], landed: dict[int, bool] | None, stored: set[int] | None) -> None:
         try:
             statuses = self.guard.result(call)
             release = self.guard.hold_for(call, statuses)
@@ -816,24 +830,31 @@ class TransferEngine:
                 task.held.append(release)
         finally:
             self._budget.release(nbytes)
-        self._save_done(batch, statuses, time.perf_counter() - t0, landed, stored)
+        self._save_done(batch, nbytes, keys, statuses, time.perf_counter() - t0, landed, stored)
 
-    def _save_done(self, batch: list[ChunkOp], statuses: list[Status], dt: float,
-                   landed: dict[int, bool], stored: set[int]) -> None:
-        good = [op for op, s in zip(batch, statuses, strict=True) if s is Status.OK]
-        for op in good:
-            landed[id(op)] = True
-            stored.add(id(op))
-        no_space = sum(s is Status.NO_SPACE for s in statuses)
+    def _save_done(self, batch: list[ChunkOp], nbytes: int, keys: list[str], statuses: list[Status], dt: float,
+                   landed: dict[int, bool] | None, stored: set[int] | None) -> None:
+        if statuses.count(Status.OK) == len(batch):  # the usual case, without a pass per op
+            good, good_bytes, no_space = batch, nbytes, 0
+            good_keys: Iterable[str] = keys
+        else:
+            good = [op for op, s in zip(batch, statuses, strict=True) if s is Status.OK]
+            good_bytes = sum(op.nbytes for op in good)
+            no_space = statuses.count(Status.NO_SPACE)
+            good_keys = (op.key for op in good)
+        if landed is not None and stored is not None:
+            for op in good:
+                landed[id(op)] = True
+                stored.add(id(op))
         self.metrics.add(
             save_ops=len(good),
-            save_bytes=sum(op.nbytes for op in good),
+            save_bytes=good_bytes,
             save_time_s=dt,
             save_failures=len(batch) - len(good) - no_space,
             save_no_space=no_space,
         )
         if good:
-            self._note_landed(op.key for op in good)
+            self._note_landed(good_keys)
 
     def shutdown(self, timeout_s: float = 5.0, keepalive: object = None) -> None:
         """Finish queued saves (bounded), then stop the threads.

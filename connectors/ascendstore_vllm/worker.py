@@ -247,20 +247,28 @@ class AscendStoreWorker:
 
     def _ops(self, spec: LoadSpec | SaveSpec, layer: int | None, writer_only: bool = False) -> list[ChunkOp]:
         ops = []
-        hybrid = self.ctx.hybrid
-        for c in spec.chunks:
-            if writer_only and not self.ctx.replicas.writes(c.index):
-                continue
-            if hybrid:  # one object per chunk and KV cache group (groups.py); never layerwise
+        chunks = spec.chunks
+        if writer_only and self.ctx.replicas.size > 1:
+            chunks = [c for c in chunks if self.ctx.replicas.writes(c.index)]
+        if self.ctx.hybrid:  # one object per chunk and KV cache group (groups.py); never layerwise
+            for c in chunks:
                 ops.append(ChunkOp(self.keys.group_key(c.group, spec.tenant, c.chunk_hash), [],  # type: ignore[attr-defined]
                                    [b for b in c.block_ids if b >= 0], c.index, None,
                                    len(c.block_ids) * self._group_bytes[c.group],
                                    partial(self._regions, c.block_ids, None, c.group)))
-                continue
-            nbytes = len(c.block_ids) * (self._chunk_bytes if layer is None else self._layer_bytes[layer])
-            ops.append(ChunkOp(self.keys.key(spec.tenant, c.chunk_hash, layer), [],
-                               [b for b in c.block_ids if b >= 0], c.index, layer, nbytes,
-                               partial(self._regions, c.block_ids, layer)))
+            return ops
+        # On every transfer's path (one op per object of the step): the key prefix
+        # once per request, cached region lists taken now (no deferred build), and
+        # the chunk's block list shared when it holds no device-resident block.
+        prefix = self.keys.prefix(spec.tenant, layer)
+        unit = self._chunk_bytes if layer is None else self._layer_bytes[layer]
+        cache = self._region_cache
+        append = ops.append
+        for c in chunks:
+            ids = c.block_ids
+            regions = cache.get((tuple(ids), layer))
+            append(ChunkOp(prefix + c.chunk_hash, regions or [], ids if ids and min(ids) >= 0 else [b for b in ids if b >= 0],
+                           c.index, layer, len(ids) * unit, None if regions is not None else partial(self._regions, ids, layer)))
         return ops
 
     # -- per step ----------------------------------------------------------------------

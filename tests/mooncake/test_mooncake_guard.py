@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 
@@ -58,6 +59,48 @@ def test_no_call_after_close_and_close_waits_for_running_calls() -> None:
     assert g.close(0.1) is False  # a call is still running
     release.set()
     assert g.call(lambda: 1, 1.0) == (Outcome.CLOSED, None)
+
+
+def test_an_exception_reaches_the_caller() -> None:
+    g = NativeGuard(1)
+
+    def boom() -> None:
+        raise RuntimeError("native failure")
+
+    with pytest.raises(RuntimeError, match="native failure"):
+        g.call(boom, 1.0)
+    assert g.call(lambda: 3, 1.0) == (Outcome.DONE, 3)  # the worker survived
+    assert g.close(1.0)
+
+
+def test_results_racing_the_deadline_go_to_exactly_one_side() -> None:
+    # Calls finishing around their deadline: each result reaches the caller (DONE)
+    # or on_late, never both and never neither (the hand-off's race window).
+    g = NativeGuard(4)
+    rng = random.Random(5)
+    late: list[int] = []
+    lock = threading.Lock()
+
+    def on_late(r: int) -> None:
+        with lock:
+            late.append(r)
+
+    done: list[int] = []
+    timed_out: list[int] = []
+    for i in range(300):
+        delay = rng.uniform(0, 0.004)
+        outcome, r = g.call(lambda i=i, d=delay: time.sleep(d) or i, 0.002, on_late)
+        if outcome is Outcome.DONE:
+            done.append(i)
+        else:
+            timed_out.append(i)
+    assert g.close(5.0)
+    time.sleep(0.05)
+    assert not set(done) & set(late)
+    queued_skips = len(timed_out) - len(late)  # timed out before they started: never ran
+    assert queued_skips >= 0 and set(late) <= set(timed_out)
+    assert g.late_completions == len(late)
+    assert done and timed_out  # both sides of the race were exercised
 
 
 @pytest.mark.parametrize(

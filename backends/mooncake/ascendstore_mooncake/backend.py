@@ -273,9 +273,12 @@ class MooncakeBackend(Backend):
         if len(keys) != len(regions):
             raise ValueError(f"{len(keys)} keys but {len(regions)} region lists")
         limit = self._caps.max_object_bytes
+        max_key = self._caps.max_key_bytes
         for i, (k, rs) in enumerate(zip(keys, regions, strict=True)):
-            total = sum(r.length for r in rs)
-            if not self._key_ok(k) or not rs or total == 0 or total > limit:
+            total = 0
+            for r in rs:  # a plain loop: this runs per key of every call
+                total += r.length
+            if not k or not k.isascii() or len(k) > max_key or not rs or total == 0 or total > limit:
                 out[i] = Status.INVALID
             else:
                 send.append(i)
@@ -367,6 +370,8 @@ class MooncakeBackend(Backend):
         status, codes = self._guarded(
             lambda st: st.batch_put_from_multi_buffers(names, ptrs, sizes, cfg), timeout_s, late
         )
+        if status is None and len(send) == len(out) and type(codes) is list and codes.count(0) == len(out) == len(codes):
+            return [Status.OK] * len(out)  # the usual answer, without a pass per key
         for j, i in enumerate(send):
             out[i] = status if status is not None else status_of(codes[j])
         self._forget_on_failure(out)
@@ -397,6 +402,8 @@ class MooncakeBackend(Backend):
             return codes
 
         status, codes = self._guarded(fn, timeout_s)
+        if status is None and len(send) == len(out) and codes == totals:
+            return [Status.OK] * len(out)  # every object whole (codes are byte counts), the usual answer
         missing = []
         for j, i in enumerate(send):
             if status is not None:
