@@ -232,6 +232,13 @@ class BackendGuard:
     def remove(self, keys: Sequence[str], timeout_s: float | None = None) -> list[Status]:
         return self._call("remove", len(keys), (list(keys),), timeout_s)
 
+    def pin(self, keys: Sequence[str], lease_s: float, timeout_s: float | None = None) -> list[Status]:
+        """exists + pin (backends declaring ``pins``; ascendstore.engine.pins)."""
+        return self._call("pin", len(keys), (list(keys), lease_s), timeout_s)
+
+    def unpin(self, keys: Sequence[str], timeout_s: float | None = None) -> list[Status]:
+        return self._call("unpin", len(keys), (list(keys),), timeout_s)
+
     def remove_prefix(self, prefix: str, timeout_s: float | None = None) -> tuple[Status, int]:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         fut = self._pool.submit(self.backend.remove_prefix, prefix, timeout)
