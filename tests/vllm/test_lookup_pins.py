@@ -102,6 +102,11 @@ def test_eviction_between_lookup_and_load(pins, caplog):
             assert s["lookup_load_misses"] == CHUNKS and s["load_failures"] == CHUNKS, s
             assert sum(len(r.invalid_block_ids) for r in eng.records) == CHUNKS
             assert len(misses) == 1 and "again" in misses[0].getMessage()
+        # The lookup-to-load miss rate in vLLM's periodic log line (Prometheus: docs/metrics.md).
+        from ascendstore_vllm.stats import AscendStoreStats
+
+        rate = AscendStoreStats(data=dict(s)).reduce().get("lookup_load_miss_rate", 0)
+        assert rate == (0 if pins else 1.0), rate
     finally:
         eng.close()
         pool.close()
