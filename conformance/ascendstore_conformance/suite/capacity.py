@@ -15,6 +15,8 @@ MAX_FILL_BYTES = 256 << 20
 FILL_DEADLINE_S = 60.0
 #: lease of the pins in the eviction-after-lookup test: longer than its pressure lasts.
 PIN_LEASE_S = 30.0
+#: ... renewed this often while the pressure lasts (a waiting request's lookups do so).
+PIN_RENEW_S = 3.0
 
 
 def _fill_plan(h: Harness) -> tuple[int, int]:
@@ -133,9 +135,18 @@ class PinTests:
         assert h.exists([absent]) == [NOT_FOUND], "pin() of an absent key created it"
         fill: list[str] = []
         deadline = time.monotonic() + FILL_DEADLINE_S
+        renew = time.monotonic() + PIN_RENEW_S
         for i in range(max_objects):
             if time.monotonic() > deadline:
                 break
+            if time.monotonic() > renew:
+                # As the connector does at every lookup of a waiting request (a store's
+                # lease may be shorter than asked: Mooncake's is its master's TTL).
+                got = h.statuses("pin", list(pinned), PIN_LEASE_S)
+                assert got == [OK] * len(pinned), (
+                    f"pinned objects were evicted within their {PIN_LEASE_S:.0f} s lease: renewing the pins "
+                    f"returned {got!r}")
+                renew = time.monotonic() + PIN_RENEW_S
             key = h.key(f"pressure{i:05d}")
             (status,) = h.put({key: pattern(key, size)})
             assert status in (OK, NO_SPACE), f"put #{i} under eviction pressure returned {status!r}"
