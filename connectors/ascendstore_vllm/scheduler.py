@@ -307,7 +307,9 @@ class AscendStoreScheduler:
 
     def _build_meta(self, so: SchedulerOutput) -> AscendStoreMetadata:
         meta = AscendStoreMetadata(loads=self._loads, delayed_free=self._delayed_free)
-        if self._pinned or self._pins_by_step:
+        if not self._pinned:
+            self._pins_by_step.clear()  # nothing held: nothing to let go of later
+        else:
             self._pins_by_step.append([ld.req_id for ld in self._loads if not ld.is_async])
             while len(self._pins_by_step) > 2:
                 self._unpin(self._pins_by_step.popleft())
