@@ -214,7 +214,7 @@ class BackendGuard:
         if len(out) != n:
             log.error("backend %s returned %r for %d keys; treating as INVALID", op, result, n)
             return [Status.INVALID] * n
-        timeouts = sum(s is Status.TIMEOUT for s in out)
+        timeouts = out.count(Status.TIMEOUT)  # C speed: lookups of long prompts pass thousands
         if timeouts:
             self.metrics.add(timeouts=timeouts)
         return out

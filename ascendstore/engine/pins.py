@@ -71,14 +71,22 @@ class LookupPins:
 
     def _pin(self, req_id: str, keys: Sequence[str], width: int) -> int:
         statuses = self.guard.pin(keys, self.lease_s, self.timeout_s) if keys else []
-        bad = next((i for i, s in enumerate(statuses) if s is not Status.OK), len(statuses))
+        if statuses.count(Status.OK) == len(statuses):
+            bad = len(statuses)
+        else:
+            bad = next(i for i, s in enumerate(statuses) if s is not Status.OK)
         chunks = bad // width if width else 0
         kept = list(keys[: chunks * width])
         # Found and pinned, but past the counted run: not this request's to hold.
         extra = [k for k, s in zip(keys[chunks * width :], statuses[chunks * width :], strict=False)
                  if s is Status.OK]
         with self._lock:
-            old = self._held.pop(req_id, None)
+            old = self._held.get(req_id)
+            if old is not None and old.keys == kept and not extra:
+                # A waiting request looked up again, same chunks: renew, nothing to recount.
+                old.expires = self._clock() + self.lease_s
+                return chunks
+            self._held.pop(req_id, None)
             self._refs.update(kept)
             if kept:
                 self._held[req_id] = _Holding(kept, width, self._clock() + self.lease_s)
