@@ -62,7 +62,7 @@ class LookupServer:
                     pass
 
     def _answer(self, msg: list | dict) -> object:
-        pins = self.lookup.pins
+        pins = getattr(self.lookup, "pins", None)
         if isinstance(msg, dict):  # {"release": [req ids], "keep": [[req id, chunks], ...]}
             if pins is not None:
                 for req_id, chunks in msg.get("keep", ()):
@@ -80,8 +80,9 @@ class LookupServer:
         self._stop.set()
         self._thread.join(2.0)
         self._sock.close(0)
-        if self.lookup.pins is not None:
-            self.lookup.pins.close()  # before the backend client closes (the caller's order)
+        pins = getattr(self.lookup, "pins", None)
+        if pins is not None:
+            pins.close()  # before the backend client closes (the caller's order)
         try:
             os.unlink(self.path.removeprefix("ipc://"))
         except OSError:
