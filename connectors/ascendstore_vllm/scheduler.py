@@ -154,11 +154,9 @@ class AscendStoreScheduler:
             pinned = pinned and hits > start
         if pinned:
             self._pinned.add(req_id)
-        elif req_id in self._pinned:
-            # Looked up again and nothing is counted now (the lookup let go of its pins).
+        else:
+            # Looked up again and nothing counted now: the lookup let go of its pins itself.
             self._pinned.discard(req_id)
-            if self._lookup is None:
-                self._unpin([req_id])
         return hits
 
     # -- pins between lookup and load (ascendstore.engine.pins) -----------------------
