@@ -154,7 +154,9 @@ class PinTests:
                 fill.append(key)
             else:
                 time.sleep(0.05)  # only pinned victims left, or an asynchronous evictor behind
-        states = h.exists(fill)
+        # The oldest writes are the likeliest victims; asking about all of them would
+        # lease them all on a store whose exists leases (Mooncake), filling it for a while.
+        states = h.exists(fill[:64])
         assert set(states) <= {OK, NOT_FOUND}, f"exists() after the pressure returned {states!r}"
         assert NOT_FOUND in states, (
             f"wrote {len(fill)} objects of {size} bytes and the store evicted none: small_config should "
@@ -169,12 +171,14 @@ class PinTests:
         h.assert_reads(pinned)
         got = h.statuses("unpin", list(pinned))
         assert set(got) <= {OK, NOT_FOUND}, f"unpin() returned {got!r}"
-        # Unpinned, the store goes on serving and writing (unpinned objects may go now).
+        # Unpinned, the store goes on serving and writing (unpinned objects may go now;
+        # a store whose reads lease, like Mooncake, may need its lease TTL first).
         key = h.key("after-unpin")
-        for _ in range(100):
+        give_up = time.monotonic() + 30
+        while True:
             (status,) = h.put({key: pattern(key, size)})
-            if status is OK:
+            if status is OK or time.monotonic() > give_up:
                 break
             assert status is NO_SPACE, f"put after unpin() returned {status!r}"
             time.sleep(0.1)
-        assert status is OK, "the store kept reporting NO_SPACE for 10 s after the pins ended"
+        assert status is OK, "the store kept reporting NO_SPACE for 30 s after the pins ended"
