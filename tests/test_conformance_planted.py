@@ -75,6 +75,8 @@ class MemStore(Backend):
 
     class Options(BackendOptions):
         capacity_bytes: int = 64 << 20
+        #: evict least recently written objects when full, and pin (evicts, pins)
+        evict: bool = False
 
     # Key characters include those of pattern languages (regex, SQL LIKE, glob),
     # so the prefix tests try all of them.
@@ -89,6 +91,8 @@ class MemStore(Backend):
 
     def __init__(self, options: Options) -> None:
         self.capacity = options.capacity_bytes
+        self.evict = options.evict
+        self.pins: dict[str, float] = {}  # key -> monotonic end of its lease
         self.objects: dict[str, tuple[bytes, int]] = {}  # key -> (bytes, crc32)
         self.used = 0
         self.lock = threading.RLock()
@@ -102,7 +106,7 @@ class MemStore(Backend):
 
     @property
     def capabilities(self) -> Capabilities:
-        return self.CAPS
+        return dataclasses.replace(self.CAPS, evicts=True, pins=True) if self.evict else self.CAPS
 
     def _gate(self, n: int, timeout_s: float) -> list[Status] | None:
         """Statuses for the whole batch when the call cannot proceed."""
@@ -143,11 +147,44 @@ class MemStore(Backend):
     def _write(self, key: str, data: bytes) -> Status:
         with self.lock:
             old = len(self.objects[key][0]) if key in self.objects else 0
+            while self.evict and self.used - old + len(data) > self.capacity and self._evict_one(key):
+                pass
             if self.used - old + len(data) > self.capacity:
                 return NO_SPACE
             self.objects[key] = (data, zlib.crc32(data))
             self.used += len(data) - old
             return OK
+
+    def _evict_one(self, keep: str) -> bool:
+        """Drop the oldest object that is not pinned (lock held); False if none."""
+        now = time.monotonic()
+        for k in self.objects:
+            if k != keep and not self._pinned(k, now):
+                self.used -= len(self.objects.pop(k)[0])
+                self.pins.pop(k, None)
+                return True
+        return False
+
+    def _pinned(self, key: str, now: float) -> bool:
+        return self.pins.get(key, 0.0) > now
+
+    def pin(self, keys: Sequence[str], lease_s: float, timeout_s: float) -> list[Status]:
+        out = self.exists(keys, timeout_s)
+        with self.lock:
+            until = time.monotonic() + lease_s
+            for k, st in zip(keys, out, strict=True):
+                if st is OK:
+                    self.pins[k] = max(self.pins.get(k, 0.0), until)
+        return out
+
+    def unpin(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
+        if (early := self._gate(len(keys), timeout_s)) is not None:
+            return early
+        with self.lock:
+            out = [OK if k in self.objects else NOT_FOUND for k in keys]
+            for k in keys:
+                self.pins.pop(k, None)
+        return out
 
     def get(self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float) -> list[Status]:
         if (early := self._gate(len(keys), timeout_s)) is not None:
@@ -585,6 +622,20 @@ class FinishesInBackground(MemStore):
 
 
 #: bug -> the suite's tests that must catch it
+class EvictingMemStore(MemStore):
+    """The reference with LRU eviction and pins (evicts, pins): correct."""
+
+    CONFIG = {"evict": True}
+
+
+class PinIgnored(EvictingMemStore):
+    """pin() answers like exists and protects nothing: a chunk a lookup counted
+    is evicted before its load."""
+
+    def _pinned(self, key, now):
+        return False
+
+
 PLANTED: dict[type[MemStore], set[str]] = {
     ExistsLies: {"test_absent_keys_are_not_found", "test_batch_mixing_present_and_absent_keys"},
     StaleReadCache: {"test_duplicate_put_semantics_as_declared", "test_removed_key_is_gone"},
@@ -631,6 +682,8 @@ PLANTED: dict[type[MemStore], set[str]] = {
     ZeroCapacityWhenUnlimited: {"test_stats_follow_the_conventions"},
     ListsAfterClose: {"test_calls_after_close_are_unavailable"},
     StatsRaiseAfterClose: {"test_calls_after_close_are_unavailable"},
+    # pins (evicts + pins): what a lookup pinned survives eviction pressure.
+    PinIgnored: {"test_evicted_after_lookup"},
 }
 
 #: bug -> words its failure must show (the message points at the real fault)
@@ -655,6 +708,7 @@ MESSAGES: dict[type[MemStore], tuple[str, ...]] = {
     ListsAfterClose: ("a closed client lists nothing",),
     StatsRaiseAfterClose: ("client is closed",),
     IgnoresTimeout: ("over its timeout by",),
+    PinIgnored: ("pinned objects were evicted within their",),
 }
 #: words no failure of a bug may show (a message that would send the author the wrong way)
 MISLEADING: dict[type[MemStore], tuple[str, ...]] = {
@@ -663,7 +717,8 @@ MISLEADING: dict[type[MemStore], tuple[str, ...]] = {
 
 
 def memstore_factory(cls: type[MemStore]) -> BackendFactory:
-    return BackendFactory(cls, config={}, small_config=SMALL)
+    config = dict(getattr(cls, "CONFIG", {}))
+    return BackendFactory(cls, config=config, small_config={**SMALL, **config})
 
 
 class TestReferencePassesEverything(BackendConformance):
@@ -672,6 +727,14 @@ class TestReferencePassesEverything(BackendConformance):
     @pytest.fixture
     def backend_factory(self) -> BackendFactory:
         return memstore_factory(MemStore)
+
+
+class TestEvictingReferencePassesEverything(BackendConformance):
+    """The reference that evicts and pins, whole suite (the capacity tests take its other branch)."""
+
+    @pytest.fixture
+    def backend_factory(self) -> BackendFactory:
+        return memstore_factory(EvictingMemStore)
 
 
 HEADER = """
@@ -718,12 +781,14 @@ def planted_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, dic
     where = tmp_path_factory.mktemp("planted")
     source = HEADER.format(tests_dir=str(Path(__file__).parent)) + CLASS.format(
         name="TestGood", backend="MemStore"
-    )
+    ) + CLASS.format(name="TestGoodEvicting", backend="EvictingMemStore")
     node_ids = []
     for bug, must_fail in PLANTED.items():
         source += CLASS.format(name=f"TestBug{bug.__name__}", backend=bug.__name__)
         node_ids += [f"test_planted.py::TestBug{bug.__name__}::{t}" for t in sorted(must_fail)]
     node_ids += sorted({f"test_planted.py::TestGood::{t}" for tests in PLANTED.values() for t in tests})
+    node_ids += sorted({f"test_planted.py::TestGoodEvicting::{t}" for b, tests in PLANTED.items()
+                        if issubclass(b, EvictingMemStore) for t in tests})
     (where / "test_planted.py").write_text(source)
     report = where / "report.xml"
     done = subprocess.run(
@@ -746,6 +811,8 @@ def test_reference_passes_the_tests_that_catch_the_bugs(planted_run) -> None:
     want = {t for tests in PLANTED.values() for t in tests}
     good = outcomes.get("TestGood", {})
     ran = {t: o.outcome for t, o in good.items() if o.outcome != "skipped"}
+    # Tests of eviction with pins run against the reference that evicts and pins.
+    ran |= {t: o.outcome for t, o in outcomes.get("TestGoodEvicting", {}).items() if o.outcome != "skipped"}
     # Skipped ones are those for capabilities the reference does not claim.
     assert set(ran.values()) == {"passed"}, log[-5000:]
     assert want - set(ran) <= {"test_persistence_across_reopen", "test_visible_from_another_process"}, good

@@ -40,8 +40,9 @@ def test_dirstore_by_name_passes_the_whole_suite(pytester: pytest.Pytester) -> N
     out = result.stdout.str()
     outcomes = result.parseoutcomes()
     assert result.ret == pytest.ExitCode.OK, out
-    # dirstore declares every capability the suite gates on except eviction.
-    assert outcomes.get("skipped", 0) == 0 and outcomes["passed"] >= 30, outcomes
+    # dirstore declares every capability the suite gates on except eviction (and so pins).
+    assert outcomes.get("skipped", 0) == 1 and outcomes["passed"] >= 30, outcomes
+    assert "SKIPPED" in out and "capability evicts=False declared by dirstore" in out, out[-3000:]
     assert "backend 'dirstore'" in out
     assert "ascendstore backend performance (informational" in out
     report = out[out.index("ascendstore backend performance") :]

@@ -52,7 +52,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
@@ -243,7 +243,8 @@ class FaultyBackend(Backend):
         return fails
 
     def _keyed(
-        self, op: str, keys: Sequence[str], regions: Sequence[Sequence[Region]] | None, timeout_s: float
+        self, op: str, keys: Sequence[str], regions: Sequence[Sequence[Region]] | None, timeout_s: float,
+        call: Callable[[list[str], float], list[Status]] | None = None,
     ) -> list[Status]:
         n = len(keys)
         # Decided when the call starts: faults may be switched off while it hangs.
@@ -259,7 +260,7 @@ class FaultyBackend(Backend):
         if not idx:
             return out
         sub_keys = [keys[i] for i in idx]
-        fn = getattr(self.inner, op)
+        fn = call or getattr(self.inner, op)
         if regions is None:
             got = fn(sub_keys, left)
         else:
@@ -355,6 +356,15 @@ class FaultyBackend(Backend):
 
     def remove(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
         return self._keyed("remove", keys, None, timeout_s)
+
+    def pin(self, keys: Sequence[str], lease_s: float, timeout_s: float) -> list[Status]:
+        # An exists that also pins: the faults of "exists" apply (a failed key is not pinned).
+        return self._keyed("exists", keys, None, timeout_s, call=lambda ks, t: self.inner.pin(ks, lease_s, t))
+
+    def unpin(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
+        if self.closed:
+            return [Status.UNAVAILABLE] * len(keys)
+        return self.inner.unpin(keys, timeout_s)
 
     def remove_prefix(self, prefix: str, timeout_s: float) -> tuple[Status, int]:
         early, left = self._enter("remove", 1, timeout_s)

@@ -13,6 +13,7 @@ from typing import Literal
 
 from ascendstore.contract import Status
 from ascendstore.engine.guard import BackendGuard
+from ascendstore.engine.pins import LookupPins
 from ascendstore.engine.plan import KeyBuilder
 
 log = logging.getLogger(__name__)
@@ -28,21 +29,46 @@ Probe = Literal["linear", "gallop"]
 
 
 class PoolLookup:
-    def __init__(self, guard: BackendGuard, keys: KeyBuilder, timeout_s: float, probe: Probe = "linear") -> None:
+    def __init__(
+        self, guard: BackendGuard, keys: KeyBuilder, timeout_s: float, probe: Probe = "linear",
+        *, pin_lease_s: float = 0.0,
+    ) -> None:
         self.guard = guard
         self.keys = keys
         self.timeout_s = timeout_s
         self.probe = probe
+        #: pins what a lookup with a request id counted (backends declaring ``pins``;
+        #: None: no pins). The owner releases them when the request's load ends.
+        self.pins: LookupPins | None = (
+            LookupPins(guard, pin_lease_s, timeout_s) if pin_lease_s > 0 and LookupPins.supported(guard) else None
+        )
         # In-process and bounded (the guard calls it inline): no thread hand-off needed.
         scan = getattr(guard.backend, "prefix_run", None)
         self._scan = scan if callable(scan) and guard.backend.capabilities.bounded_calls else None
 
-    def prefix_hits(self, tenant: str, chunk_hashes: Sequence[str] | Sequence[bytes], start: int = 0) -> int:
+    def prefix_hits(
+        self, tenant: str, chunk_hashes: Sequence[str] | Sequence[bytes], start: int = 0, req_id: str | None = None
+    ) -> int:
         """Chunks present in the pool as an unbroken run from ``start``.
 
         ``chunk_hashes``: hex strings, or raw hashes (bytes) whose hex is meant.
         Returns the absolute chunk count (>= start; == start on a miss). Chunks
-        before ``start`` are already on the device and are not queried."""
+        before ``start`` are already on the device and are not queried. With
+        ``req_id`` and pins on, the counted chunks are pinned for that request
+        (the count is what is pinned) until ``pins.release(req_id)``."""
+        hits = self._prefix_hits(tenant, chunk_hashes, start)
+        if self.pins is None or req_id is None:
+            return hits
+        if hits <= start:
+            self.pins.release(req_id)
+            return hits
+        counted = chunk_hashes[start:hits]
+        if isinstance(counted[0], bytes):
+            counted = [h.hex() for h in counted]  # type: ignore[union-attr]
+        flat, width = self.keys.lookup_keys_flat(tenant, counted)  # type: ignore[arg-type]
+        return start + self.pins.pin(req_id, flat, width)
+
+    def _prefix_hits(self, tenant: str, chunk_hashes: Sequence[str] | Sequence[bytes], start: int) -> int:
         todo = chunk_hashes[start:] if start else chunk_hashes
         if not todo:
             return start

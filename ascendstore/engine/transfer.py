@@ -25,7 +25,7 @@ import logging
 import queue
 import threading
 import time
-from collections import defaultdict, deque
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -290,6 +290,9 @@ class TransferEngine:
         # One staging buffer per direction; sync loads share the load one.
         self._stage_locks = {"load": threading.Lock(), "save": threading.Lock()}
         self.metrics = guard.metrics
+        #: requests whose lookup-to-load misses were logged (one line each; bounded)
+        self._miss_logged: OrderedDict[str, None] = OrderedDict()
+        self._miss_lock = threading.Lock()
         self.timeout_s = guard.timeout_s
         self.max_inflight_bytes = max_inflight_bytes
         self.stagger_index = stagger_index
@@ -719,6 +722,9 @@ class TransferEngine:
                 self.metrics.add(load_ops=len(good), load_bytes=sum(op.nbytes for op in good), load_time_s=dt)
             bad = [op for op, s in zip(batch, statuses, strict=True) if s is not Status.OK]
             self.metrics.add(load_failures=len(bad))
+            gone = [op.key for op, s in zip(batch, statuses, strict=True) if s is Status.NOT_FOUND]
+            if gone:
+                self._log_lookup_miss(task.req_id, gone)
             for op in bad:
                 task.failed.update(op.block_ids)
             corrupt = [op.key for op, s in zip(batch, statuses, strict=True) if s is Status.CORRUPT]
@@ -726,6 +732,18 @@ class TransferEngine:
                 self._drop_corrupt(corrupt)
         if task.after is not None:
             task.after(batch, statuses)
+
+    def _log_lookup_miss(self, req_id: str, keys: list[str]) -> None:
+        """One line per request (not per batch or layer): chunks the lookup counted
+        were gone at load (counted in ``lookup_load_misses`` by the guard's observer)."""
+        with self._miss_lock:
+            if req_id in self._miss_logged:
+                return
+            self._miss_logged[req_id] = None
+            while len(self._miss_logged) > 1024:
+                self._miss_logged.popitem(last=False)
+        log.warning("request %s: %d pool object(s) counted by the lookup were gone at load (evicted or removed "
+                    "since); recomputing their blocks. First: %s", req_id, len(keys), keys[0])
 
     def _drop_corrupt(self, keys: list[str]) -> None:
         """A damaged object would fail every later load, and saves skip keys that

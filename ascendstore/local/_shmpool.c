@@ -2469,6 +2469,33 @@ static PyObject *Pool_pin(Pool *p, PyObject *args) {
     return run_batch_arg(p, keys, NULL, t, op_pin, 0, 0, (uint64_t)(lease * 1e9));
 }
 
+/* (status, objects pinned now by a live process): tests and doctor check that
+ * lookups leave no pins behind. A scan of the key table under the lock. */
+static PyObject *Pool_pinned(Pool *p, PyObject *args) {
+    double t;
+    if (!PyArg_ParseTuple(args, "d", &t)) return NULL;
+    if (enter(p) < 0) return Py_BuildValue("(Nn)", status_obj(ST_UNAVAILABLE), (Py_ssize_t)0);
+    Py_ssize_t n = 0;
+    int st;
+    double deadline = arg_deadline(t);
+    Py_BEGIN_ALLOW_THREADS
+    st = ensure_slot(p, deadline);
+    if (!st) st = pool_lock(p, deadline);
+    if (!st) {
+        entry_t *E = ENT(p);
+        uint64_t now = now_ns();
+        for (uint32_t i = 0; i < p->h->entries_hwm; i++) {
+            entry_t *e = &E[i];
+            if (e->state != E_LIVE && e->state != E_DISK && e->state != E_SPILLING) continue;
+            if (e->pin_until && entry_pinned(p, e, now)) n++;
+        }
+        pool_unlock(p);
+    }
+    Py_END_ALLOW_THREADS
+    leave(p);
+    return Py_BuildValue("(Nn)", status_obj(st), st ? (Py_ssize_t)0 : n);
+}
+
 static PyObject *Pool_unpin(Pool *p, PyObject *args) {
     PyObject *keys;
     double t;
@@ -3201,6 +3228,7 @@ static PyMethodDef Pool_methods[] = {
     {"put", (PyCFunction)Pool_put, METH_VARARGS, "put(keys, regions, timeout_s) -> [Status]"},
     {"pin", (PyCFunction)Pool_pin, METH_VARARGS, "pin(keys, lease_s, timeout_s) -> [Status]: exists + pin"},
     {"unpin", (PyCFunction)Pool_unpin, METH_VARARGS, "unpin(keys, timeout_s) -> [Status]"},
+    {"pinned", (PyCFunction)Pool_pinned, METH_VARARGS, "pinned(timeout_s) -> (Status, objects pinned now)"},
     {"get", (PyCFunction)Pool_get, METH_VARARGS, "get(keys, regions, timeout_s) -> [Status]"},
     {"remove", (PyCFunction)Pool_remove, METH_VARARGS, "remove(keys, timeout_s) -> [Status]"},
     {"scan", (PyCFunction)Pool_scan, METH_VARARGS,

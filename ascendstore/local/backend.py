@@ -188,6 +188,12 @@ class LocalBackend(Backend):
     def unpin(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
         return self._pool.unpin(keys, timeout_s)
 
+    def pinned(self, timeout_s: float | None = None) -> int:
+        """Objects pinned now by a live process (-1 when the pool does not answer):
+        lookups must leave none behind once their loads ended."""
+        status, n = self._pool.pinned(self._ctx.timeout_s if timeout_s is None else timeout_s)
+        return n if status is Status.OK else -1
+
     def remove_prefix(self, prefix: str, timeout_s: float) -> tuple[Status, int]:
         if (slow := self._hook_wait(timeout_s)) is not None:
             return slow, 0

@@ -122,12 +122,13 @@ class ConnectorContext:
             all_ranks=all_ranks,
         )
 
-    def pool_lookup(self, guard: Any, timeout_s: float) -> Any:
-        """The chunk lookup over ``guard``: per group for hybrid models (groups.py)."""
+    def pool_lookup(self, guard: Any, timeout_s: float, *, pin_lease_s: float = 0.0) -> Any:
+        """The chunk lookup over ``guard``: per group for hybrid models (groups.py, which pins
+        nothing: ``pin_lease_ms`` covers single-group models only)."""
         if self.hybrid:
             return GroupLookup(guard, self.key_builder(), self.groups, self.blocks_per_chunk,  # type: ignore[arg-type]
                                timeout_s, partial_tail=not self.config.discard_partial_chunks)
-        return PoolLookup(guard, self.key_builder(), timeout_s)
+        return PoolLookup(guard, self.key_builder(), timeout_s, pin_lease_s=pin_lease_s)
 
     def tenant(self, cache_salt: str | None) -> str:
         return tenant_id(cache_salt or self.config.tenant)

@@ -281,8 +281,12 @@ class GroupLookup:
         #: here, so the window at it is taken from its first block (reads more objects,
         #: never fewer)
         self.partial_tail = partial_tail
+        #: no pins between lookup and load for hybrid models yet (PoolLookup's ledger keys
+        #: one object per chunk); the scheduler and the lookup server check for None
+        self.pins = None
 
-    def prefix_hits(self, tenant: str, chunk_hashes: Sequence[str] | Sequence[bytes], start: int = 0) -> int:
+    def prefix_hits(self, tenant: str, chunk_hashes: Sequence[str] | Sequence[bytes], start: int = 0,
+                    req_id: str | None = None) -> int:
         from ascendstore.contract import Status
 
         todo = [h.hex() if isinstance(h, bytes) else h for h in chunk_hashes[start:]]

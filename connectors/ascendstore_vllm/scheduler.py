@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -59,6 +60,14 @@ class AscendStoreScheduler:
         cfg = ctx.config
         self.metrics = EngineMetrics()
         self._lookup_timeout_s = cfg.lookup_timeout_ms / 1000
+        self._pin_lease_s = cfg.pin_lease_ms / 1000
+        #: requests holding pins of what their lookup counted (here or in worker 0)
+        self._pinned: set[str] = set()
+        #: sync and layerwise loads run in the step they are sent in: per built step
+        #: (newest last) the requests whose pins end once it has run. A step's output
+        #: is in before the step after next is scheduled, even with async scheduling,
+        #: so the pins go then (async loads end with finished_recving).
+        self._pins_by_step: deque[list[str]] = deque()
         self._lookup: PoolLookup | GroupLookup | None = None
         self._rpc: LookupClient | None = None
         self._guard: BackendGuard | None = None
@@ -76,7 +85,8 @@ class AscendStoreScheduler:
                 log.info("AscendStore KV events: BlockStored only; backend %r reports no removals%s", cfg.backend,
                          "" if self._guard is not None else " to the scheduler (lookup_mode rpc)")
         self._trackers: dict[str, _Tracker] = {}
-        self._matched: dict[str, tuple[int, int, bool]] = {}  # req -> (local, hit tokens, async)
+        # req -> (local, hit tokens, async, first chunk looked up)
+        self._matched: dict[str, tuple[int, int, bool, int]] = {}
         self._loads: list[LoadSpec] = []
         # Loads in flight: req -> (async?, [(chunk index, device blocks)]), and for a
         # request whose load failed the first chunk it must not be offered again.
@@ -120,21 +130,54 @@ class AscendStoreScheduler:
                     self._guard = BackendGuard(backend, cfg.timeout_ms / 1000, metrics=self.metrics)
                     # This process's own monitor: lookups answer 0 while it is degraded.
                     attach_health(self._guard, cfg, process="scheduler", instance_id=self.ctx.instance_id)
-                    self._lookup = self.ctx.pool_lookup(self._guard, self._lookup_timeout_s)
+                    self._lookup = self.ctx.pool_lookup(self._guard, self._lookup_timeout_s,
+                                                        pin_lease_s=self._pin_lease_s)
                     log.info("AscendStore lookups: scheduler-side client of backend %r", cfg.backend)
                     return
                 backend.close()
         self._rpc = LookupClient(self.ctx.lookup_ipc_path(), self._lookup_timeout_s)
         log.info("AscendStore lookups: RPC to worker 0 at %s", self._rpc.path)
 
-    def _prefix_hits(self, tenant: str, hashes: list[str] | list[bytes], start: int) -> int:
+    def _prefix_hits(self, tenant: str, hashes: list[str] | list[bytes], start: int, req_id: str) -> int:
+        """Chunks present from ``start``; with pins on, what is counted is pinned for ``req_id``."""
         if self._lookup is not None:
-            return self._lookup.prefix_hits(tenant, hashes, start)
-        assert self._rpc is not None
-        self.metrics.add(lookups=1)
-        if start < len(hashes) and isinstance(hashes[start], bytes):
-            hashes = [h.hex() if isinstance(h, bytes) else h for h in hashes]
-        return self._rpc.prefix_hits(tenant, hashes, start)  # type: ignore[arg-type]
+            pins = self._lookup.pins
+            hits = self._lookup.prefix_hits(tenant, hashes, start, req_id if pins is not None else None)
+            pinned = pins is not None and hits > start
+        else:
+            assert self._rpc is not None
+            self.metrics.add(lookups=1)
+            if start < len(hashes) and isinstance(hashes[start], bytes):
+                hashes = [h.hex() if isinstance(h, bytes) else h for h in hashes]
+            hits, pinned = self._rpc.prefix_hits_pinned(
+                tenant, hashes, start, req_id if self._pin_lease_s > 0 else None  # type: ignore[arg-type]
+            )
+            pinned = pinned and hits > start
+        if pinned:
+            self._pinned.add(req_id)
+        else:
+            # Looked up again and nothing counted now: the lookup let go of its pins itself.
+            self._pinned.discard(req_id)
+        return hits
+
+    # -- pins between lookup and load (ascendstore.engine.pins) -----------------------
+    def _unpin(self, req_ids: Iterable[str], keep: list[tuple[str, int]] | None = None) -> None:
+        """Let go of the pins of these requests (their loads ended, or none will run)."""
+        ids = [r for r in req_ids if r in self._pinned]
+        self._pinned.difference_update(ids)
+        if not ids and not keep:
+            return
+        if self._lookup is not None:
+            if self._lookup.pins is not None:
+                for r, n in keep or ():
+                    self._lookup.pins.keep(r, n)
+                self._lookup.pins.release(ids)
+        elif self._rpc is not None:
+            self._rpc.release(ids, keep)
+
+    def pinned_requests(self) -> set[str]:
+        """Requests whose lookup pins are held (tests, observability)."""
+        return set(self._pinned)
 
     def _bounds(self, request: Request, limit_tokens: int) -> list[tuple[int, int]]:
         nblocks = min(len(request.block_hashes), limit_tokens // self.ctx.block_size)
@@ -180,7 +223,7 @@ class AscendStoreScheduler:
             last = [block_hash_hex(h) for h in last]
         hashes = [""] * start + last
         tenant = self.ctx.tenant(request.cache_salt)
-        hit = self._prefix_hits(tenant, hashes, start)
+        hit = self._prefix_hits(tenant, hashes, start, request.request_id)
         # A chunk that failed to load for this request is not offered again: vLLM
         # rewinds a failed async load to token 0 and asks again; offering the same
         # broken entry would loop forever.
@@ -194,12 +237,13 @@ class AscendStoreScheduler:
             lookup_hit_tokens=max(new, 0), lookup_miss_tokens=request.num_tokens - num_computed_tokens - max(new, 0)
         )
         if new <= 0:
+            self._unpin([request.request_id])
             return 0, False
         # Hybrid models load asynchronously: a state must land before vLLM copies it
         # forward at the start of the step, and vLLM takes block-level load errors only
         # from single-group models (hybrid failures go back as failed_recving).
         is_async = (cfg.load_async and not cfg.use_layerwise) or self.ctx.hybrid
-        self._matched[request.request_id] = (num_computed_tokens, new, is_async)
+        self._matched[request.request_id] = (num_computed_tokens, new, is_async, start)
         return new, is_async
 
     def _tracker(self, request: Request) -> _Tracker:
@@ -217,8 +261,9 @@ class AscendStoreScheduler:
             tr.group_ids = [list(ids) for ids in blocks.get_block_ids()]
         matched = self._matched.pop(request.request_id, None)
         if num_external_tokens <= 0 or matched is None:
+            self._unpin([request.request_id])  # nothing will be loaded
             return
-        local, _, is_async = matched
+        local, _, is_async, first = matched
         bs = self.ctx.block_size
         end_tok = local + num_external_tokens
         chunks: list[ChunkRef] = []
@@ -240,7 +285,12 @@ class AscendStoreScheduler:
             ids = [tr.block_ids[b] if b * bs >= local else -1 for b in range(b0, b1)]
             chunks.append(ChunkRef(i, block_hash_hex(request.block_hashes[b1 - 1]), ids))
         if not chunks:
+            self._unpin([request.request_id])
             return
+        if request.request_id in self._pinned:
+            # Pinned chunks past what vLLM gave blocks to are not loaded: let them go now.
+            last = max(c.index for c in chunks)
+            self._unpin([], keep=[(request.request_id, last + 1 - first)])
         self._loads.append(LoadSpec(request.request_id, tr.tenant, chunks, is_async))
         self._inflight_loads[request.request_id] = (is_async, [(c.index, {b for b in c.block_ids if b >= 0})
                                                                for c in chunks])
@@ -263,10 +313,17 @@ class AscendStoreScheduler:
 
     def _build_meta(self, so: SchedulerOutput) -> AscendStoreMetadata:
         meta = AscendStoreMetadata(loads=self._loads, delayed_free=self._delayed_free)
+        if not self._pinned:
+            self._pins_by_step.clear()  # nothing held: nothing to let go of later
+        else:
+            self._pins_by_step.append([ld.req_id for ld in self._loads if not ld.is_async])
+            while len(self._pins_by_step) > 2:
+                self._unpin(self._pins_by_step.popleft())
         self._loads, self._delayed_free = [], []
         self._admission.new_step()
         if so.preempted_req_ids:
             meta.preempted = list(so.preempted_req_ids)
+            self._unpin(so.preempted_req_ids)  # looked up (and pinned) again when resumed
         for r in so.finished_req_ids:
             self._trackers.pop(r, None)
         if self.ctx.can_save:
@@ -428,6 +485,8 @@ class AscendStoreScheduler:
         # Sync and layerwise loads report within the step they ran in; async ones
         # when finished_recving names them.
         self._inflight_loads = {r: v for r, v in self._inflight_loads.items() if v[0] and r not in done}
+        if done and self._pinned:
+            self._unpin(done)  # async loads ended (loaded, or failed and reported invalid)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         tr = self._trackers.pop(request.request_id, None)
@@ -435,6 +494,7 @@ class AscendStoreScheduler:
         self._lookup_local.pop(request.request_id, None)
         self._bad_from.pop(request.request_id, None)
         self._inflight_loads.pop(request.request_id, None)
+        self._unpin([request.request_id])  # finished or aborted (before or after loading)
         if tr is None or not tr.saves_planned:
             return False, None
         # Saves may still be reading these blocks: free them when every worker
@@ -462,6 +522,9 @@ class AscendStoreScheduler:
         return True
 
     def shutdown(self) -> None:
+        self._unpin(list(self._pinned))
+        if self._lookup is not None and self._lookup.pins is not None:
+            self._lookup.pins.close()
         if self.events is not None:
             self.events.close()
         if self._guard is not None:

@@ -35,6 +35,10 @@ class AscendStoreStats(KVConnectorStats):
                   "save_skipped_budget", "save_skipped_degraded"):
             if d.get(k):
                 out[k] = d[k]
+        if d.get("lookup_load_misses"):
+            # The lookup-to-load miss rate: of the objects loads looked for, the share gone
+            # since the lookup counted them (0 with pins, but for expired leases).
+            out["lookup_load_miss_rate"] = round(d["lookup_load_misses"] / (d.get("load_ops", 0) + d["lookup_load_misses"]), 4)
         for kind in ("load", "save"):
             nbytes, secs = d.get(f"{kind}_bytes", 0), d.get(f"{kind}_time_s", 0)
             if nbytes:

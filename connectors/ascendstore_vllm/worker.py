@@ -147,7 +147,8 @@ class AscendStoreWorker:
         if ctx.tp_rank == 0 and ctx.pp_rank == 0 and cfg.lookup_mode in ("auto", "rpc"):
             try:
                 self._server = LookupServer(
-                    ctx.lookup_ipc_path(), ctx.pool_lookup(self.guard, cfg.lookup_timeout_ms / 1000)
+                    ctx.lookup_ipc_path(), ctx.pool_lookup(self.guard, cfg.lookup_timeout_ms / 1000,
+                                                           pin_lease_s=cfg.pin_lease_ms / 1000)
                 )
             except BaseException:
                 # e.g. the IPC path is taken: don't leave transfer threads and a client behind.

@@ -206,6 +206,8 @@ class MooncakeBackend(Backend):
             # time) but may go on after a timeout: see quiescent().
             bounded_calls=True,
             detaches_calls=True,
+            # A pin is a read lease renewed on exactly the counted keys (pin()).
+            pins=opts.lease_pins,
             max_key_bytes=4096,
             # An object must fit in one segment's free space: promise half of ours.
             max_object_bytes=(self._segment // 2) or (1 << 30),
@@ -347,6 +349,39 @@ class MooncakeBackend(Backend):
                         for k in sorted(self._exists_cache, key=self._exists_cache.get)[:32768]:
                             del self._exists_cache[k]
         return _filled(out, Status.UNAVAILABLE)
+
+    def pin(self, keys: Sequence[str], lease_s: float, timeout_s: float) -> list[Status]:
+        """Mooncake 0.3 cannot pin a stored object (soft and hard pins are set by
+        the put that writes it), but its master grants a read lease on every
+        ExistKey and never evicts a leased object. So a pin is a batch_is_exist
+        of exactly these keys that always reaches the master (never the exists
+        cache, whose answers renew nothing). The lease lasts the master's
+        --default_kv_lease_ttl (10 s by default) whatever ``lease_s`` asks; the
+        connector renews it at every lookup of a waiting request."""
+        if self._guard.closed:
+            return [Status.UNAVAILABLE] * len(keys)
+        out: list[Status | None] = [None if self._key_ok(k) else Status.INVALID for k in keys]
+        ask = [i for i, s in enumerate(out) if s is None]
+        if ask:
+            names = [keys[i] for i in ask]
+            status, codes = self._guarded(lambda st: st.batch_is_exist(names), timeout_s)
+            for j, i in enumerate(ask):
+                if status is not None:
+                    out[i] = status
+                else:
+                    c = codes[j]
+                    out[i] = Status.OK if c == 1 else Status.NOT_FOUND if c == 0 else (
+                        status_of(c) if c < 0 else Status.UNAVAILABLE)
+            self._forget_on_failure(out)
+            self._forget([keys[i] for i in ask if out[i] is Status.NOT_FOUND])
+        return _filled(out, Status.UNAVAILABLE)
+
+    def unpin(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
+        """Nothing to send: Mooncake has no call that ends a read lease early; it
+        lapses at the master's TTL (the object is evictable again then)."""
+        if self._guard.closed:
+            return [Status.UNAVAILABLE] * len(keys)
+        return [Status.OK if self._key_ok(k) else Status.INVALID for k in keys]
 
     def put(self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float) -> list[Status]:
         out, send = self._plan(keys, regions)

@@ -126,6 +126,11 @@ class MooncakeOptions(BackendOptions):
     force_remove: Bool = Field(
         True, description="remove objects even while a reader's lease is held (else: UNAVAILABLE)"
     )
+    lease_pins: Bool = Field(
+        True,
+        description="declare pins: a lookup's counted keys get the master's read lease "
+        "(--default_kv_lease_ttl) renewed; leased objects are never evicted",
+    )
     exists_cache_ttl_s: float = Field(
         1.0,
         ge=0,

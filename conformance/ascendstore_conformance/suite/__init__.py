@@ -1,7 +1,7 @@
 """The behaviour classes. ``BackendConformance`` is all of them together."""
 
 from ascendstore_conformance.suite.base import ConformanceFixtures, require, require_hook
-from ascendstore_conformance.suite.capacity import CapacityTests
+from ascendstore_conformance.suite.capacity import CapacityTests, PinTests
 from ascendstore_conformance.suite.concurrency import ConcurrencyTests
 from ascendstore_conformance.suite.datapath import (
     AbsentKeyTests,
@@ -25,6 +25,7 @@ class BackendConformance(
     RemoveTests,
     CloseReopenTests,
     CapacityTests,
+    PinTests,
     ConcurrencyTests,
     FaultTests,
     PerformanceTests,
@@ -45,6 +46,7 @@ __all__ = [
     "FaultTests",
     "KeyTests",
     "PerformanceTests",
+    "PinTests",
     "PutGetTests",
     "RemoveTests",
     "require",

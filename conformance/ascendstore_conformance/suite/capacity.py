@@ -7,12 +7,16 @@ import time
 
 from ascendstore.contract import Status
 from ascendstore_conformance.harness import Harness, assert_same, pattern
-from ascendstore_conformance.suite.base import OpenClient
+from ascendstore_conformance.suite.base import OpenClient, require
 
 OK, NOT_FOUND, NO_SPACE = Status.OK, Status.NOT_FOUND, Status.NO_SPACE
 #: bounds on filling the small store, so a store that never fills fails quickly.
 MAX_FILL_BYTES = 256 << 20
 FILL_DEADLINE_S = 60.0
+#: lease of the pins in the eviction-after-lookup test: longer than its pressure lasts.
+PIN_LEASE_S = 30.0
+#: ... renewed this often while the pressure lasts (a waiting request's lookups do so).
+PIN_RENEW_S = 3.0
 
 
 def _fill_plan(h: Harness) -> tuple[int, int]:
@@ -105,3 +109,76 @@ class CapacityTests:
         for k, s, b in zip(keys, statuses, bufs, strict=True):
             if s is OK:
                 assert_same(b.read(), written[k], k)
+
+
+class PinTests:
+    def test_evicted_after_lookup(self, open_client: OpenClient) -> None:
+        """What a lookup pinned survives eviction pressure until unpinned or its
+        lease ends (the connector loads it a step later); unpinned objects may go.
+
+        Objects pinned and objects not pinned are written first, then the store is
+        filled with up to four times its capacity. Nothing is looked at while the
+        pressure lasts: some stores (Mooncake) grant a read lease on every exists,
+        which would protect the unpinned ones too."""
+        h = open_client(small=True)
+        require(h, "evicts")
+        require(h, "pins")
+        size, max_objects = _fill_plan(h)
+        pinned = {k: pattern(k, size) for k in h.keys(*(f"pinned{i}" for i in range(4)))}
+        h.put_ok(pinned)
+        absent = h.key("never-written")
+        got = h.statuses("pin", [*pinned, absent], PIN_LEASE_S)
+        assert got == [OK] * len(pinned) + [NOT_FOUND], (
+            f"pin() of {len(pinned)} stored keys and an absent one returned {got!r}; a pin is an exists "
+            "that also pins: OK for each stored key, NOT_FOUND for the absent one"
+        )
+        assert h.exists([absent]) == [NOT_FOUND], "pin() of an absent key created it"
+        fill: list[str] = []
+        deadline = time.monotonic() + FILL_DEADLINE_S
+        renew = time.monotonic() + PIN_RENEW_S
+        for i in range(max_objects):
+            if time.monotonic() > deadline:
+                break
+            if time.monotonic() > renew:
+                # As the connector does at every lookup of a waiting request (a store's
+                # lease may be shorter than asked: Mooncake's is its master's TTL).
+                got = h.statuses("pin", list(pinned), PIN_LEASE_S)
+                assert got == [OK] * len(pinned), (
+                    f"pinned objects were evicted within their {PIN_LEASE_S:.0f} s lease: renewing the pins "
+                    f"returned {got!r}")
+                renew = time.monotonic() + PIN_RENEW_S
+            key = h.key(f"pressure{i:05d}")
+            (status,) = h.put({key: pattern(key, size)})
+            assert status in (OK, NO_SPACE), f"put #{i} under eviction pressure returned {status!r}"
+            if status is OK:
+                fill.append(key)
+            else:
+                time.sleep(0.05)  # only pinned victims left, or an asynchronous evictor behind
+        # The oldest writes are the likeliest victims; asking about all of them would
+        # lease them all on a store whose exists leases (Mooncake), filling it for a while.
+        states = h.exists(fill[:64])
+        assert set(states) <= {OK, NOT_FOUND}, f"exists() after the pressure returned {states!r}"
+        assert NOT_FOUND in states, (
+            f"wrote {len(fill)} objects of {size} bytes and the store evicted none: small_config should "
+            "describe a store of a few MiB"
+        )
+        kept = h.exists(list(pinned))
+        lost = [k for k, s in zip(pinned, kept, strict=True) if s is not OK]
+        assert not lost, (
+            f"{len(lost)} of {len(pinned)} pinned objects were evicted within their {PIN_LEASE_S:.0f} s lease "
+            f"(a lookup counted them; their load would miss): {lost}"
+        )
+        h.assert_reads(pinned)
+        got = h.statuses("unpin", list(pinned))
+        assert set(got) <= {OK, NOT_FOUND}, f"unpin() returned {got!r}"
+        # Unpinned, the store goes on serving and writing (unpinned objects may go now;
+        # a store whose reads lease, like Mooncake, may need its lease TTL first).
+        key = h.key("after-unpin")
+        give_up = time.monotonic() + 30
+        while True:
+            (status,) = h.put({key: pattern(key, size)})
+            if status is OK or time.monotonic() > give_up:
+                break
+            assert status is NO_SPACE, f"put after unpin() returned {status!r}"
+            time.sleep(0.1)
+        assert status is OK, "the store kept reporting NO_SPACE for 30 s after the pins ended"

@@ -1,0 +1,184 @@
+"""Lookup pins (ascendstore.engine.pins) on the real local pool: a lookup with a
+request id pins exactly the chunks it counted; several requests share a pin and
+it ends when the last lets go; a chunk gone since the scan is not counted; the
+ledger forgets expired holdings; nothing stays pinned."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from ascendstore.contract import BackendContext, Region, Status
+from ascendstore.engine import BackendGuard, PoolLookup
+from ascendstore.engine.pins import LookupPins
+from ascendstore.engine.plan import KeyBuilder, RankPart
+from ascendstore.local import _shmpool
+from ascendstore.local.backend import LocalBackend
+from ascendstore.local.options import LocalOptions
+
+KiB, MiB = 1 << 10, 1 << 20
+OBJ = 64 * KiB
+T = 5.0
+
+
+@pytest.fixture
+def pool():
+    name = f"lpin-{uuid.uuid4().hex[:10]}"
+    be = LocalBackend.create(LocalOptions(name=name, capacity=1 * MiB, page_size=16 * KiB), BackendContext())
+    yield be
+    be.destroy()
+    _shmpool.unlink(name)
+
+
+def _put(be: LocalBackend, keys: list[str]) -> list[Status]:
+    buf = np.full(OBJ, 7, np.uint8)
+    return be.put(keys, [[Region(buf.ctypes.data, OBJ)]] * len(keys), T)
+
+
+def _lookup(be: LocalBackend, lease_s: float = 30.0) -> tuple[PoolLookup, KeyBuilder]:
+    kb = KeyBuilder("fp", RankPart())
+    lk = PoolLookup(BackendGuard(be, T), kb, T, pin_lease_s=lease_s)
+    assert lk.pins is not None
+    return lk, kb
+
+
+def _keys(kb: KeyBuilder, hashes: list[str]) -> list[str]:
+    return kb.lookup_keys_flat("", hashes)[0]
+
+
+def _pressure(be: LocalBackend, n: int = 64) -> None:
+    """Write four times the pool's capacity: everything unpinned is evicted."""
+    for i in range(n):
+        _put(be, [f"fill-{uuid.uuid4().hex}-{i}"])
+
+
+def test_pins_exactly_the_counted_chunks(pool):
+    lk, kb = _lookup(pool)
+    hashes = [f"h{i:02d}" for i in range(6)]
+    keys = _keys(kb, hashes)
+    assert _put(pool, keys[:3] + keys[4:]) == [Status.OK] * 5  # chunk 3 missing: a run of 3
+    assert lk.prefix_hits("", hashes, 0, "r1") == 3
+    assert pool.pinned() == 3, "the chunks past the hole (4, 5) were found but not counted: not pinned"
+    _pressure(pool)
+    assert pool.exists(keys[:3], T) == [Status.OK] * 3, "a pinned chunk was evicted"
+    assert pool.exists(keys[4:], T) == [Status.NOT_FOUND] * 2, "the unpinned chunks should have been evicted"
+    lk.pins.release("r1")
+    assert pool.pinned() == 0
+    _pressure(pool)
+    assert pool.exists(keys[:3], T) == [Status.NOT_FOUND] * 3, "released pins still held"
+
+
+def test_a_lookup_from_an_offset_pins_from_there(pool):
+    lk, kb = _lookup(pool)
+    hashes = [f"o{i}" for i in range(4)]
+    assert _put(pool, _keys(kb, hashes)) == [Status.OK] * 4
+    assert lk.prefix_hits("", hashes, 2, "r") == 4
+    assert pool.pinned() == 2  # chunks 0 and 1 are on the device already
+    lk.pins.keep("r", 1)  # vLLM gave blocks to the first only
+    assert pool.pinned() == 1
+    lk.pins.release("r")
+    assert pool.pinned() == 0
+
+
+def test_requests_sharing_a_chunk_share_its_pin(pool):
+    lk, kb = _lookup(pool)
+    shared, a, b = ["s0", "s1"], ["a2"], ["b2"]
+    assert _put(pool, _keys(kb, shared + a + b)) == [Status.OK] * 4
+    assert lk.prefix_hits("", shared + a, 0, "A") == 3
+    assert lk.prefix_hits("", shared + b, 0, "B") == 3
+    assert pool.pinned() == 4
+    lk.pins.release("A")
+    assert pool.pinned() == 3, "A's release must not unpin the chunks B still counts on"
+    _pressure(pool)
+    assert pool.exists(_keys(kb, shared + b), T) == [Status.OK] * 3
+    lk.pins.release("B")
+    assert pool.pinned() == 0 and lk.pins.held_keys() == 0
+
+
+def test_a_repeated_lookup_replaces_the_holding(pool):
+    lk, kb = _lookup(pool)
+    hashes = ["r0", "r1", "r2"]
+    keys = _keys(kb, hashes)
+    assert _put(pool, keys) == [Status.OK] * 3
+    assert lk.prefix_hits("", hashes, 0, "r") == 3
+    assert pool.remove([keys[1]], T) == [Status.OK]  # gone between two lookups of a waiting request
+    assert lk.prefix_hits("", hashes, 0, "r") == 1
+    assert pool.pinned() == 1, "chunk 2 is no longer counted: its pin must go"
+    assert lk.prefix_hits("", ["zz"], 0, "r") == 0  # nothing counted: nothing held
+    assert pool.pinned() == 0 and lk.pins.holders() == 0
+
+
+def test_a_chunk_gone_between_scan_and_pin_is_not_counted(pool):
+    """The scan said 3; the pin finds chunk 1 gone: the request counts 1 chunk."""
+    kb = KeyBuilder("fp", RankPart())
+    guard = BackendGuard(pool, T)
+    pins = LookupPins(guard, 30.0, T)
+    keys = _keys(kb, ["g0", "g1", "g2"])
+    assert _put(pool, keys) == [Status.OK] * 3
+    pool.remove([keys[1]], T)
+    assert pins.pin("r", keys, 1) == 1
+    assert pool.pinned() == 1, "the chunk after the hole was pinned by the call but is not counted: unpinned"
+    pins.release("r")
+    assert pool.pinned() == 0
+
+
+def test_expired_holdings_are_forgotten(pool):
+    now = [100.0]
+    guard = BackendGuard(pool, T)
+    pins = LookupPins(guard, 0.5, T, clock=lambda: now[0])
+    kb = KeyBuilder("fp", RankPart())
+    keys = _keys(kb, ["e0", "e1"])
+    assert _put(pool, keys) == [Status.OK] * 2
+    assert pins.pin("old", keys, 1) == 2
+    now[0] += 1.0
+    time.sleep(0.6)  # the pool's own lease (0.5 s) ends too
+    pins.expire()
+    assert pins.holders() == 0 and pins.held_keys() == 0
+    assert pool.pinned() == 0
+
+
+def test_no_backend_pins_no_ledger():
+    from ascendstore.contract import Capabilities
+
+    guard = type("G", (), {"capabilities": Capabilities(pins=False)})()
+    assert not LookupPins.supported(guard)  # type: ignore[arg-type]
+    assert not LookupPins.supported(None)
+
+
+def test_threads_pinning_and_releasing_leave_no_pin(pool):
+    """Lookups and releases from several threads (the RPC server and the scheduler
+    may overlap), random delays: the pool ends with nothing pinned."""
+    lk, kb = _lookup(pool)
+    hashes = [f"t{i}" for i in range(8)]
+    assert _put(pool, _keys(kb, hashes)) == [Status.OK] * 8
+    rng = random.Random(5)
+    errors: list[BaseException] = []
+
+    def work(tid: int) -> None:
+        try:
+            for j in range(60):
+                rid = f"{tid}-{j % 3}"
+                n = rng.randint(1, 8)
+                lk.prefix_hits("", hashes[:n], rng.randint(0, n - 1), rid)
+                time.sleep(rng.random() * 0.002)
+                if rng.random() < 0.3:
+                    lk.pins.keep(rid, rng.randint(0, 2))
+                if rng.random() < 0.6:
+                    lk.pins.release(rid)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    lk.pins.release(lk.pins.requests())
+    assert lk.pins.held_keys() == 0
+    assert pool.pinned() == 0
