@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from ascendstore.config import AscendStoreConfig, load_config
@@ -80,12 +81,13 @@ class ConnectorContext:
     #: vLLM's KV cache groups as pooled (groups.py); empty without a kv_cache_config
     groups: tuple[GroupPlan, ...] = ()
 
-    @property
+    @cached_property
     def hybrid(self) -> bool:
-        """Objects per KV cache group (hybrid KV cache manager, sliding windows)."""
+        """Objects per KV cache group (hybrid KV cache manager, sliding windows). Cached: the
+        scheduler asks for every running request in every step, and ``groups`` is fixed."""
         return is_hybrid(self.groups)
 
-    @property
+    @cached_property
     def blocks_per_chunk(self) -> int:
         return self.chunk_size // self.block_size
 

@@ -362,13 +362,14 @@ class AscendStoreScheduler:
 
     def _plan_save(self, meta: AscendStoreMetadata, tr: _Tracker, tokens_done: int) -> None:
         req = tr.request
-        limit = tokens_done if self.ctx.config.save_decode_cache else min(tokens_done, req.num_prompt_tokens)
+        cfg = self.ctx.config
+        limit = tokens_done if cfg.save_decode_cache else min(tokens_done, req.num_prompt_tokens)
         bpc = self.ctx.blocks_per_chunk
         # Fast path (every decode step of every running request): no new chunk yet.
         full_blocks = min(len(req.block_hashes), limit // self.ctx.block_size)
         new_blocks = full_blocks - tr.next_save_block
         if new_blocks < bpc and (
-            self.ctx.config.discard_partial_chunks
+            cfg.discard_partial_chunks
             or new_blocks <= 0
             or tr.tail_saved_end
             or tokens_done < req.num_prompt_tokens
