@@ -117,6 +117,10 @@ def _install(site: Path, names: list[str]) -> Path:
 
 
 def test_a_freshly_installed_backend_is_seen_at_once(tmp_path: Path) -> None:
+    if sys.executable.startswith("/tmp"):
+        # stevedore turns its cache off for an interpreter under /tmp (its check for
+        # ansible): there is no stale cache to reproduce, nor one to get wrong
+        pytest.skip("stevedore caches nothing for a Python under /tmp (e.g. a checkout in /tmp)")
     site, cache = tmp_path / "site", tmp_path / "cache"
     env = {
         "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
