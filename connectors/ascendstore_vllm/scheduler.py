@@ -16,6 +16,7 @@ from ascendstore.engine.health import attach_health
 from ascendstore.engine.metrics import LabelCap
 from ascendstore.keys import NO_TENANT, block_hash_hex
 from ascendstore.registry import create_backend
+from ascendstore_vllm.compat import evict_from_prefix_cache
 from ascendstore_vllm.context import ConnectorContext, chunk_bounds
 from ascendstore_vllm.events import KVEventLog
 from ascendstore_vllm.groups import GroupLookup, SlidingPins, has_state, load_refs, save_refs
@@ -470,6 +471,7 @@ class AscendStoreScheduler:
             self.pins.reported(wmeta.pins_done)
         invalid = connector_output.invalid_block_ids
         if invalid:
+            self._evict_failed(set(invalid))
             for req_id, (_, chunks) in self._inflight_loads.items():
                 bad = [idx for idx, blocks in chunks if blocks & invalid]
                 if bad:
@@ -487,6 +489,31 @@ class AscendStoreScheduler:
         self._inflight_loads = {r: v for r, v in self._inflight_loads.items() if v[0] and r not in done}
         if done and self._pinned:
             self._unpin(done)  # async loads ended (loaded, or failed and reported invalid)
+
+    def _evict_failed(self, invalid: set[int]) -> None:
+        """Keep blocks whose load failed out of vLLM's prefix cache.
+
+        vLLM caches a request's blocks (with their hashes) when it allocates them,
+        before a synchronous or layerwise load has written them. Under the default
+        ``kv_load_failure_policy`` "recompute" it leaves failed blocks cached for the
+        request to recompute in place; a request aborted or preempted before that
+        step frees them still hashed, and the next request with the prefix gets a
+        device hit on stale bytes (docs/failure-semantics.md). So the failed blocks
+        leave the prefix cache now, with every later block of each request holding
+        one (those were computed this step over the failed KV): what vLLM's "fail"
+        policy does. The request still recomputes them in place; they are simply not
+        offered to other requests (async loads: never cached before they land)."""
+        pool = self.pins.block_pool
+        if pool is None:
+            return
+        evict = set(invalid)
+        for tr in self._trackers.values():
+            ids = tr.block_ids
+            first = next((i for i, b in enumerate(ids) if b in invalid), None)
+            if first is not None:
+                evict.update(ids[first:])
+        evict_from_prefix_cache(pool, evict)
+        log.debug("AscendStore: %d blocks of failed loads evicted from vLLM's prefix cache", len(evict))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         tr = self._trackers.pop(request.request_id, None)
