@@ -87,3 +87,41 @@ def test_failed_load_aborted_before_recompute_is_not_a_device_hit(mode, pins, en
     finally:
         eng.close()
         _shmpool.unlink(name)
+
+
+@pytest.mark.parametrize("mode", ["sync", "layerwise"])
+def test_failed_load_shared_in_its_step_and_owner_aborted(mode):
+    """y is scheduled in x's step with a device hit on x's blocks, allocated (and cached)
+    for x's load. The load fails: vLLM truncates x to recompute, and y keeps the blocks
+    as computed, trusting x to rewrite them in its next step. x is aborted first: y must
+    not attend to the stale bytes (the connector reports them as failed again when y
+    reads them, so vLLM has y recompute them)."""
+    name = "fs-" + uuid.uuid4().hex[:10]
+    eng = EngineHarness(EngineSpec(extra_config=_extra(name, mode, False)))
+    short = PROMPT[:69]  # 4 full blocks of x's prompt + 5 tokens
+    try:
+        eng.add_request("fill", PROMPT)
+        eng.run()
+        assert eng.scheduler.reset_prefix_cache()
+        for w in eng.workers:
+            for t in w.kv_caches.values():
+                t.fill_(STALE)
+        for b in live_backends():
+            b.set_faults(fail_rate={"get": 1.0}, fail_status="UNAVAILABLE")
+        eng.add_request("x", PROMPT, max_tokens=4)
+        eng.add_request("y", short, max_tokens=4)
+        rec = eng.step()
+        assert rec.invalid_block_ids, "the load did not fail"
+        assert rec.computed_before["y"] == 64, "y had no device hit on x's blocks"
+        sched = eng.scheduler
+        assert sched.requests["x"].num_computed_tokens == 0  # x recomputes
+        assert sched.requests["y"].num_computed_tokens == 64  # y trusts x to
+        eng.abort("x")
+        for b in live_backends():
+            b.clear_faults()
+        eng.run()
+        assert eng.read_errors() == [], f"stale KV read: {eng.read_errors()[:4]}"
+        assert _exact(eng, "y", short), "KV of y differs from the model's"
+    finally:
+        eng.close()
+        _shmpool.unlink(name)
