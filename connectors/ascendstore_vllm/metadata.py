@@ -51,9 +51,12 @@ class AscendStoreMetadata(KVConnectorMetadata):
     preempted: list[str] = field(default_factory=list)
     #: request-level extension data (GR/PD helpers), opaque to this connector.
     extensions: dict[str, dict] = field(default_factory=dict)
+    #: blocks some request of this step would read stale (stale.py): every worker
+    #: reports them as load errors, so vLLM recomputes them.
+    stale_blocks: list[int] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.saves or self.delayed_free or self.preempted)
+        return not (self.loads or self.saves or self.delayed_free or self.preempted or self.stale_blocks)
 
 
 @dataclass

@@ -16,11 +16,13 @@ from ascendstore.engine.health import attach_health
 from ascendstore.engine.metrics import LabelCap
 from ascendstore.keys import NO_TENANT, block_hash_hex
 from ascendstore.registry import create_backend
+from ascendstore_vllm.compat import evict_from_prefix_cache
 from ascendstore_vllm.context import ConnectorContext, chunk_bounds
 from ascendstore_vllm.events import KVEventLog
 from ascendstore_vllm.groups import GroupLookup, SlidingPins, has_state, load_refs, save_refs
 from ascendstore_vllm.lookup_rpc import LookupClient
 from ascendstore_vllm.metadata import AscendStoreMetadata, AscendStoreWorkerMeta, ChunkRef, LoadSpec, SaveSpec
+from ascendstore_vllm.stale import Scheduled, StaleBlocks
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -92,6 +94,8 @@ class AscendStoreScheduler:
         # request whose load failed the first chunk it must not be offered again.
         self._inflight_loads: dict[str, tuple[bool, list[tuple[int, set[int]]]]] = {}
         self._bad_from: dict[str, int] = {}
+        #: blocks holding bytes vLLM may read as valid after a failed load (stale.py)
+        self._stale = StaleBlocks(ctx.block_size)
         self._delayed_free: list[str] = []
         self.request_params_hooks: list[RequestParamsHook] = []
         # Operator metrics and admission (docs/failure-semantics.md, docs/benchmarking.md).
@@ -326,33 +330,55 @@ class AscendStoreScheduler:
             self._unpin(so.preempted_req_ids)  # looked up (and pinned) again when resumed
         for r in so.finished_req_ids:
             self._trackers.pop(r, None)
-        if self.ctx.can_save:
-            for new in so.scheduled_new_reqs:
-                tr = self._trackers.get(new.req_id)
-                if tr is None:
-                    continue
-                tr.block_ids = list(new.block_ids[0])
-                if self.ctx.hybrid:
-                    tr.group_ids = [list(ids) for ids in new.block_ids]
-                self._plan_save(meta, tr, new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0))
-            cached = so.scheduled_cached_reqs
-            for i, req_id in enumerate(cached.req_ids):
-                tr = self._trackers.get(req_id)
-                if tr is None:
-                    continue
-                new_ids = cached.new_block_ids[i]
+        stale = bool(self._stale) and not self.ctx.hybrid  # (hybrid loads report failures per request)
+        if stale:
+            self._stale.loaded(b for ld in meta.loads for c in ld.chunks for b in c.block_ids)
+            pool = self.pins.block_pool
+            if pool is not None:
+                self._stale.forget_free(lambda b: pool.blocks[b].ref_cnt)
+            stale = bool(self._stale)
+        step: dict[str, Scheduled] = {}
+        save = self.ctx.can_save
+        for new in so.scheduled_new_reqs:
+            tr = self._trackers.get(new.req_id)
+            if tr is None:
+                continue
+            tr.block_ids = list(new.block_ids[0])
+            if self.ctx.hybrid:
+                tr.group_ids = [list(ids) for ids in new.block_ids]
+            n = so.num_scheduled_tokens.get(new.req_id, 0)
+            if stale:
+                step[new.req_id] = Scheduled(tr.block_ids, new.num_computed_tokens, n)
+            if save:
+                self._plan_save(meta, tr, new.num_computed_tokens + n)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tr = self._trackers.get(req_id)
+            if tr is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                tr.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                tr.block_ids.extend(new_ids[0])
+            if self.ctx.hybrid:
                 if req_id in cached.resumed_req_ids:
-                    tr.block_ids = list(new_ids[0]) if new_ids else []
+                    tr.group_ids = [list(ids) for ids in new_ids] if new_ids else []
                 elif new_ids:
-                    tr.block_ids.extend(new_ids[0])
-                if self.ctx.hybrid:
-                    if req_id in cached.resumed_req_ids:
-                        tr.group_ids = [list(ids) for ids in new_ids] if new_ids else []
-                    elif new_ids:
-                        for have, more in zip(tr.group_ids, new_ids, strict=False):
-                            have.extend(more)
-                done = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)
-                self._plan_save(meta, tr, done)
+                    for have, more in zip(tr.group_ids, new_ids, strict=False):
+                        have.extend(more)
+            n = so.num_scheduled_tokens.get(req_id, 0)
+            if stale:
+                step[req_id] = Scheduled(tr.block_ids, cached.num_computed_tokens[i], n)
+            if save:
+                self._plan_save(meta, tr, cached.num_computed_tokens[i] + n)
+        if stale:
+            readers = self._stale.step(step)
+            if readers:
+                meta.stale_blocks = sorted(set(readers.values()))
+                log.warning("AscendStore: %d request(s) would read blocks of a failed load no request "
+                            "recomputed (vLLM recompute policy); reported as load errors to recompute them: %s",
+                            len(readers), sorted(readers))
         for hook in self.request_params_hooks:
             for tr in self._trackers.values():
                 params = hook(tr.request)
@@ -471,6 +497,7 @@ class AscendStoreScheduler:
             self.pins.reported(wmeta.pins_done)
         invalid = connector_output.invalid_block_ids
         if invalid:
+            self._evict_failed(set(invalid))
             for req_id, (_, chunks) in self._inflight_loads.items():
                 bad = [idx for idx, blocks in chunks if blocks & invalid]
                 if bad:
@@ -488,6 +515,36 @@ class AscendStoreScheduler:
         self._inflight_loads = {r: v for r, v in self._inflight_loads.items() if v[0] and r not in done}
         if done and self._pinned:
             self._unpin(done)  # async loads ended (loaded, or failed and reported invalid)
+
+    def _evict_failed(self, invalid: set[int]) -> None:
+        """Keep blocks whose load failed out of vLLM's prefix cache.
+
+        vLLM caches a request's blocks (with their hashes) when it allocates them,
+        before a synchronous or layerwise load has written them. Under the default
+        ``kv_load_failure_policy`` "recompute" it leaves failed blocks cached for the
+        request to recompute in place; a request aborted or preempted before that
+        step frees them still hashed, and the next request with the prefix gets a
+        device hit on stale bytes (docs/failure-semantics.md). So the failed blocks
+        leave the prefix cache now, with every later block of each request holding
+        one (those were computed this step over the failed KV): what vLLM's "fail"
+        policy does. The request still recomputes them in place; they are simply not
+        offered to other requests (async loads: never cached before they land).
+        The same blocks are tracked as stale until rewritten (stale.py): other
+        requests of the failed step that kept them as computed are made to recompute
+        them if they would read them first."""
+        evict = set(invalid)
+        for tr in self._trackers.values():
+            ids = tr.block_ids
+            first = next((i for i, b in enumerate(ids) if b in invalid), None)
+            if first is not None:
+                evict.update(ids[first:])
+        if not self.ctx.hybrid:
+            self._stale.failed(evict)
+        pool = self.pins.block_pool
+        if pool is None:
+            return
+        evict_from_prefix_cache(pool, evict)
+        log.debug("AscendStore: %d blocks of failed loads evicted from vLLM's prefix cache", len(evict))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         tr = self._trackers.pop(request.request_id, None)

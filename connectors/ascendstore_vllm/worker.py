@@ -282,6 +282,8 @@ class AscendStoreWorker:
     def bind(self, meta: AscendStoreMetadata) -> None:
         self._meta = meta
         self._delayed.update(meta.delayed_free)
+        # Reported with this step's output: vLLM discards it for the readers and recomputes.
+        self._load_errors.update(meta.stale_blocks)
 
     def start_load_kv(self, forward_context: ForwardContext | None) -> None:
         meta = self._meta
