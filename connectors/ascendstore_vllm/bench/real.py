@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,30 @@ def documents(n: int, seed: int = 0, lines_per_doc: int = DOC_LINES) -> list[str
     return [f"Document {i}.\n" + "\n".join(body()) + f"\nQuestion {i}:" for i in range(n)]
 
 
+def start_servers(servers: Iterable[VllmServer], while_starting: Callable[[], None] | None = None) -> None:
+    """Start every server at once (a start is ~1 min of loading), run ``while_starting`` meanwhile,
+    then raise the first start-up error once all have tried."""
+    errors: list[BaseException] = []
+
+    def start(s: VllmServer) -> None:
+        try:
+            s.start()
+        except BaseException as exc:  # reported below, after all tried
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+    for t in threads:
+        t.start()
+    try:
+        if while_starting is not None:
+            while_starting()
+    finally:
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
+
+
 def run_real(*, model: str = "llama", docs: int = 8, rounds: int = 3, max_tokens: int = 4,
              num_blocks: int = 64, backend: str = "local", backend_config: dict | None = None,
              extra_config: dict | None = None, log_dir: str | None = None, seed: int = 0,
@@ -105,26 +130,14 @@ def run_real(*, model: str = "llama", docs: int = 8, rounds: int = 3, max_tokens
         "pool": VllmServer(path, log_path=logs / "pool.log", num_blocks=num_blocks, max_model_len=8192,
                            kv_transfer_config=ktc, python=sys.executable),
     }
-    errors: list[BaseException] = []
-
-    def start(s: VllmServer) -> None:
-        try:
-            s.start()
-        except BaseException as exc:  # reported below, after both tried
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(s,)) for s in servers.values()]
     try:
-        for t in threads:
-            t.start()
-        if vllm_bench:  # vLLM's client imports torch: while the servers start, not after
-            import ascendstore_vllm.bench.vllm_serve as vllm_serve
+        def warm_client() -> None:
+            if vllm_bench:  # vLLM's client imports torch: while the servers start, not after
+                import ascendstore_vllm.bench.vllm_serve as vllm_serve
 
-            vllm_serve.parser()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+                vllm_serve.parser()
+
+        start_servers(servers.values(), while_starting=warm_client)
         sides = {k: Side(k, start_s=s.started_s) for k, s in servers.items()}
         texts = documents(docs, seed, doc_lines)
         mismatches = 0
@@ -161,6 +174,8 @@ def run_real(*, model: str = "llama", docs: int = 8, rounds: int = 3, max_tokens
             sides[name].pool_save_s = m.get("vllm:ascendstore_save_time_s_total", 0.0)
         vllm_figures = {}
         if vllm_bench:
+            import ascendstore_vllm.bench.vllm_serve as vllm_serve  # imported while the servers started
+
             # vLLM's own client on other documents (cold at first), one server at a time.
             prompts = documents(docs, seed + 1, doc_lines) * rounds
             for name, s in servers.items():

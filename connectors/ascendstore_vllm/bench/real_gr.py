@@ -24,14 +24,13 @@ import random
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ascendstore_vllm.bench.real import Side, real_vllm_available
+from ascendstore_vllm.bench.real import Side, real_vllm_available, start_servers
 from ascendstore_vllm.testing.openai_server import BLOCK_SIZE, VllmServer
 
 CONFIGS = ("no pool", "block", "user")
@@ -86,22 +85,8 @@ def run_real_gr(*, model: str = "llama", users: int = 8, rounds: int = 3, histor
 
     servers = {"no pool": server("no pool", None), "block": server("block", ktc(False)),
                "user": server("user", ktc(True))}
-    errors: list[BaseException] = []
-
-    def start(s: VllmServer) -> None:
-        try:
-            s.start()
-        except BaseException as exc:  # reported below, after all tried
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(s,)) for s in servers.values()]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        start_servers(servers.values())
         sides = {k: Side(k, start_s=s.started_s) for k, s in servers.items()}
         trace = gr_trace(users, rounds, history, candidates, seed)
         mismatches = {k: 0 for k in CONFIGS if k != "no pool"}
