@@ -58,6 +58,20 @@ def test_doctor_reports_degraded_then_healthy_engine_processes(private_state_dir
         res = doctor(inst)
         assert res.exit_code == 0 and "stale health file" in res.output, res.output
         os.unlink(stale)
+        # A reused pid: the pid runs (it is this test's), but the process that wrote
+        # the file started earlier. CI's long-lived /tmp had degraded files of dead
+        # engines whose pids a later job reused: doctor must not report them.
+        reused = state_path_for(inst, "worker-dp0-tp2-pp0")
+        me = json.loads(open(state_path_for(inst, "scheduler")).read())
+        assert me["pid"] == os.getpid() and me["started"] > 0
+        with open(reused, "w") as f:
+            json.dump({"state": "degraded", "pid": os.getpid(), "started": me["started"] - 3600,
+                       "process": "worker-dp0-tp2-pp0", "last_failure": "get: TIMEOUT"}, f)
+        res = doctor(inst)
+        assert res.exit_code == 0, res.output
+        assert f"stale health file of a dead process: {reused}" in res.output
+        assert "FAIL" not in res.output
+        os.unlink(reused)
     finally:
         for m in mons:
             m.close()

@@ -35,6 +35,7 @@ small JSON file that ``ascendstore doctor`` reads.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import logging
 import os
@@ -44,6 +45,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
+
+import psutil
 
 from ascendstore.contract import Status
 
@@ -88,6 +91,10 @@ class HealthSnapshot:
     process: str
     backend: str
     pid: int
+    #: the process's start time (psutil's create_time): a pid alone names a
+    #: different process once the kernel reuses it, and a long-lived host's
+    #: temp dir keeps health files of engines that died without cleaning up.
+    started: float = 0.0
 
 
 Probe = Callable[[], tuple[bool, str]]
@@ -322,6 +329,7 @@ class HealthMonitor:
             process=self.process,
             backend=self.backend,
             pid=os.getpid(),
+            started=_own_start_time(),
         )
 
     def _publish(self) -> None:
@@ -367,18 +375,36 @@ def read_states(directory: str | None = None, instance_id: str | None = None) ->
                 state = json.load(f)
         except (OSError, ValueError):
             continue
-        out.append((path, state, _alive(int(state.get("pid", 0)))))
+        out.append((path, state, _alive(int(state.get("pid", 0)), float(state.get("started", 0.0)))))
     return out
 
 
-def _alive(pid: int) -> bool:
+#: two readings of one process's start time differ by less than this; a
+#: reused pid belongs to a process started after the first one died.
+START_TIME_SLACK_S = 0.5
+
+
+@functools.cache
+def _own_start_time() -> float:
+    try:
+        return psutil.Process().create_time()
+    except psutil.Error:
+        return 0.0
+
+
+def _alive(pid: int, started: float = 0.0) -> bool:
+    """Whether the process that wrote a health file still runs: its pid
+    exists and, when the file recorded it, started at the same time (files
+    written before ``started`` existed are judged by the pid alone)."""
     if pid <= 0:
         return False
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        proc = psutil.Process(pid)
+        if started and abs(proc.create_time() - started) > START_TIME_SLACK_S:
+            return False
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
+    except psutil.AccessDenied:
         return True
     return True
 
