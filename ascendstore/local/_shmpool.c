@@ -2090,7 +2090,7 @@ static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int
     memset(&want, 0, sizeof want);
     layout(g, &want);
     double deadline = now_mono() + timeout_s;
-    char err[600] = {0};
+    char err[1280] = {0}; /* room for the longest options message: two names and a disk path */
     int ok = 0;
     Py_BEGIN_ALLOW_THREADS
     for (int attempt = 0; attempt < 1000 && !ok && !err[0]; attempt++) {
