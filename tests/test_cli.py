@@ -25,6 +25,14 @@ runner = CliRunner()
 
 
 @pytest.fixture(autouse=True)
+def private_health_dir(tmp_path, monkeypatch):
+    """doctor reads every engine's health file in $VLLM_RPC_BASE_PATH (else the temp
+    dir), host-wide: on a long-lived CI host files other jobs left there must not
+    decide this test."""
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))
+
+
+@pytest.fixture(autouse=True)
 def wide_console():
     # Rich wraps at the terminal width; keep lines whole so assertions see them.
     old = cli_common.console.width

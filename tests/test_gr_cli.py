@@ -8,9 +8,18 @@ import sys
 import uuid
 
 import numpy as np
+import pytest
 from test_gr_store import FakeDevice, history, make_store
 
 from ascendstore.registry import create_backend
+
+
+@pytest.fixture(autouse=True)
+def private_health_dir(tmp_path, monkeypatch):
+    """doctor reads every engine's health file in $VLLM_RPC_BASE_PATH (else the temp
+    dir), host-wide: on a long-lived CI host files other jobs left there must not
+    decide this test."""
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))
 
 
 def test_pool_rm_user_removes_every_object_of_that_user_only():

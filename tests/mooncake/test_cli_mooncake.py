@@ -6,6 +6,7 @@ import json
 import uuid
 
 import numpy as np
+import pytest
 from mooncake_helpers import BUFFER, SEGMENT
 from typer.testing import CliRunner
 
@@ -14,6 +15,14 @@ from ascendstore.cli import get_app
 from ascendstore.contract import Region, Status
 
 runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def private_health_dir(tmp_path, monkeypatch):
+    """doctor reads every engine's health file in $VLLM_RPC_BASE_PATH (else the temp
+    dir), host-wide: on a long-lived CI host files other jobs left there must not
+    decide this test."""
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))
 
 
 def _opts(address: str) -> str:
