@@ -15,6 +15,7 @@ it, so the command line and the engine refuse the same mistakes.
 from __future__ import annotations
 
 import errno
+import os
 import socket
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -372,8 +373,19 @@ def lookup_path_in_use(path: str) -> bool:
     return True
 
 
+#: bytes a Unix socket path may have on Linux (sun_path is 108 with the NUL).
+MAX_UNIX_PATH = 107
+
+
 def ensure_lookup_path_free(path: str, lookup_rpc_port: int | None = None) -> None:
-    """Raise ConfigError when another live instance serves ``path``."""
+    """Raise ConfigError when ``path`` cannot be bound (too long for a Unix socket)
+    or another live instance serves it."""
+    fs_path = path.removeprefix("ipc://")
+    if len(os.fsencode(fs_path)) > MAX_UNIX_PATH:
+        raise ConfigError(
+            f"the lookup IPC path {path} is {len(os.fsencode(fs_path))} bytes long; a Unix socket path holds at "
+            f"most {MAX_UNIX_PATH}: set VLLM_RPC_BASE_PATH to a shorter directory (or a shorter instance_id)."
+        )
     if lookup_path_in_use(path):
         this = f" (this one has {lookup_rpc_port})" if lookup_rpc_port is not None else ""
         raise ConfigError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 import uuid
 
 import numpy as np
@@ -18,11 +19,13 @@ runner = CliRunner()
 
 
 @pytest.fixture(autouse=True)
-def private_health_dir(tmp_path, monkeypatch):
+def private_health_dir(monkeypatch):
     """doctor reads every engine's health file in $VLLM_RPC_BASE_PATH (else the temp
     dir), host-wide: on a long-lived CI host files other jobs left there must not
-    decide this test."""
-    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))
+    decide this test. Short (not tmp_path): lookup sockets live there too."""
+    with tempfile.TemporaryDirectory(prefix="as-rpc-") as d:
+        monkeypatch.setenv("VLLM_RPC_BASE_PATH", d)
+        yield d
 
 
 def _opts(address: str) -> str:

@@ -247,6 +247,13 @@ def test_live_lookup_path_is_refused_and_stale_one_is_not(tmp_path) -> None:
     assert stale.exists() and not lookup_path_in_use(f"ipc://{stale}")
 
 
+def test_lookup_path_too_long_for_a_unix_socket_says_so(tmp_path) -> None:
+    """Not "already served": connect() fails for a too-long path with no errno."""
+    path = f"ipc://{tmp_path}/{'d' * 120}/lookup-0.ipc"
+    with pytest.raises(ConfigError, match=r"bytes long; a Unix socket path holds at most 107: set VLLM_RPC_BASE_PATH"):
+        ensure_lookup_path_free(path)
+
+
 def test_a_second_lookup_server_on_a_live_path_is_refused(tmp_path) -> None:
     from ascendstore_vllm.lookup_rpc import LookupServer
 
