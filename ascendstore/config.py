@@ -128,8 +128,8 @@ class AscendStoreConfig(BaseModel):
     timeout_ms: int = Field(5000, ge=1, description="bound on every backend call")
     lookup_timeout_ms: int = Field(1000, ge=1, description="bound on a scheduler-side lookup")
     pin_lease_ms: int = Field(
-        0, ge=0, le=3_600_000,
-        description="backends declaring pins: what a lookup counted is pinned until its load ends, at most this long (renewed while the request waits), e.g. 10000; 0 (default for now, see docs/failure-semantics.md): no pins",
+        10_000, ge=0, le=3_600_000,
+        description="backends declaring pins: what a lookup counted is pinned until its load ends, at most this long (renewed while the request waits); 0: no pins",
     )
     lookup_mode: Literal["auto", "scheduler", "rpc"] = Field(
         "auto", description="scheduler: query the backend from the scheduler; rpc: ask worker rank 0"

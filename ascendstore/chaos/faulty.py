@@ -7,7 +7,7 @@
       seed: 7
       delay_s: {get: 0.3}                 # a slow store that honours timeouts
       hang_s: {put: 5}                    # a wedged client that ignores them
-      late_garbage: false                 # a hung get scribbles over its regions when it wakes
+      late_garbage: false                 # a hung get scribbles over its regions when it wakes (answers TIMEOUT)
       fail_rate: {get: 0.2}               # per key: report fail_status instead
       fail_status: UNAVAILABLE
       raise_rate: {exists: 0.01}          # per call: raise (a buggy client)
@@ -27,7 +27,12 @@ What is injected where, and why it is faithful:
     it wakes (whatever they hold *then* is stored); with ``late_garbage`` a hung
     get, once awake, overwrites its regions with a wrong pattern (0xA5) after the
     real read. Both do the wrong thing late, so a test sees it if the engine
-    gave the memory back too early.
+    gave the memory back too early. The scribbling get answers TIMEOUT for
+    every key: a guard still waiting (a hang that ends within its grace) must
+    never be told that garbage was loaded. An OK over wrong bytes is in-transit
+    corruption, which no engine sees (that is ``flip_rate``); answering OK here
+    made the interleaving tests report "wrong KV read" for a fault the engine
+    cannot, and need not, survive.
   * ``corrupt_rate`` damages the object *in the wrapped store* through its own
     test hook, so the store's integrity checks (``detects_corruption``) are what
     is exercised; ``flip_rate`` damages the bytes after a successful read, which
@@ -95,7 +100,9 @@ class FaultyOptions(BackendOptions):
     corrupt_rate: Rate = Field(0.0, ge=0, le=1, description="share of stored objects damaged in the store")
     flip_rate: Rate = Field(0.0, ge=0, le=1, description="share of loaded objects with a byte flipped after get")
     quota_bytes: ByteSize = Field(0, description="puts beyond this many bytes report NO_SPACE; 0: off")
-    late_garbage: Bool = Field(False, description="a hung get writes a wrong pattern over its regions when it wakes")
+    late_garbage: Bool = Field(
+        False, description="a hung get writes a wrong pattern over its regions when it wakes (and answers TIMEOUT)"
+    )
     down: Bool = Field(False, description="every call reports UNAVAILABLE")
     health_status: Literal["OK", "UNAVAILABLE", "TIMEOUT"] | None = Field(
         None, description="health() reports this whatever the truth (a lying health check); None: the truth"
@@ -277,6 +284,9 @@ class FaultyBackend(Backend):
                 for i in idx:
                     for r in regions[i]:
                         ctypes.memset(r.addr, 0xA5, r.length)
+                    # Its bytes are garbage: never OK, even to a guard still waiting.
+                    if out[i] is Status.OK:
+                        out[i] = Status.TIMEOUT
         elif op == "remove":
             self._forget([keys[i] for i in idx if out[i] is Status.OK])
         return out

@@ -95,6 +95,28 @@ def test_hang_ignores_the_timeout_and_the_guard_cuts_it_off(make):
         guard.close()  # the late call then finds the client closed: UNAVAILABLE, no crash
 
 
+def test_a_hung_get_that_scribbles_never_answers_ok(make):
+    """late_garbage does the wrong thing (0xA5 over the regions once awake) but
+    never claims it loaded: a hang that ends within the guard's grace reaches a
+    caller still waiting, and an OK there would be corruption no engine sees."""
+    from ascendstore.engine.guard import GRACE_S
+
+    be = make(hang_s={"get": 0.1 + GRACE_S / 2}, late_garbage=True)
+    keys, data = put_objects(be, 2)
+    out = [np.zeros_like(d) for d in data]
+    guard = BackendGuard(be, timeout_s=0.1)
+    try:
+        assert guard.get(keys, [[region(o)] for o in out]) == [TIMEOUT, TIMEOUT]
+        assert guard.stuck_calls == 0  # answered within the grace: the guard was still waiting
+        assert be.injected["late_garbage"] == 1
+        assert all((o == 0xA5).all() for o in out), "the fault must still scribble"
+        be.set_faults(hang_s={}, late_garbage=False)
+        assert guard.get(keys, [[region(o)] for o in out]) == [OK, OK]  # not hung: no garbage
+        assert all(np.array_equal(o, d) for o, d in zip(out, data, strict=True))
+    finally:
+        guard.close()
+
+
 def test_failure_rate_is_seeded_and_per_key(make):
     inner = local_config(pool_name())
 

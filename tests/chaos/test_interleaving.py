@@ -20,7 +20,10 @@ aborts. After every round:
   the model's.
 
 ``make test`` runs ``ASCENDSTORE_INTERLEAVE_ROUNDS`` (default 3) rounds per mode;
-``make chaos`` runs 200 and prints the counts.
+``make chaos`` runs 200 and prints the counts. ``ASCENDSTORE_INTERLEAVE_PIN_MS``
+sets ``pin_lease_ms`` (default: the config's, pins on; 0: off);
+``ASCENDSTORE_INTERLEAVE_TRACE=1`` records every backend call and load per key and
+prints the history of the keys of a request that read wrong KV (interleave_trace.py).
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ from ascendstore_vllm.testing import EngineHarness, EngineSpec  # noqa: E402
 from ascendstore.chaos import live_backends  # noqa: E402
 
 ROUNDS = int(os.environ.get("ASCENDSTORE_INTERLEAVE_ROUNDS", "3"))
+TRACE = os.environ.get("ASCENDSTORE_INTERLEAVE_TRACE") == "1"
+if TRACE:
+    import interleave_trace
+
+    interleave_trace.install()
 TIMEOUT_MS = 150
 MAX_HANG_S = 0.4
 #: blocks of a finished request are back within this (see the module doc).
@@ -112,6 +120,21 @@ class Run:
         return max((self.back[r] - self.ended[r] for r in self.ended), default=0.0)
 
 
+def _trace_dump(eng: EngineHarness, run: Run, errors: list, mode: str) -> None:
+    bad = sorted({e[0] for e in errors})
+    print(f"\nTRACE read errors: {errors[:40]}")
+    for r in bad:
+        p = run.prompts[r]
+        print(f"TRACE {r}: aborted={r in run.aborted} first={eng.first_schedule(r) if r in eng.snapshots else None}"
+              f" tokens%251={[t % 251 for t in p[:16]]} stored%251={interleave_trace.decode_tokens(eng, r, 16) if r in eng.snapshots else None}")
+        for other, q in run.prompts.items():
+            if other != r and q[:BS] == p[:BS]:
+                print(f"TRACE   shares first block with {other}")
+        layers = [None] if mode != "layerwise" else [0, 1]
+        for layer in layers:
+            print(interleave_trace.dump(interleave_trace.keys_of(eng, p, layer)[:3]))
+
+
 def _blocks_all_free(eng: EngineHarness) -> None:
     pool = eng.scheduler.kv_cache_manager.block_pool
     refs = [b.ref_cnt for b in pool.blocks if not b.is_null]
@@ -141,6 +164,8 @@ def test_random_interleavings_release_blocks_once_and_load_exact(mode):
     name = pool_name(f"mix-{mode}")
     extra = faulty_extra(name, checksum=False, capacity="8MiB", timeout_ms=TIMEOUT_MS, lookup_timeout_ms=100,
                          **extra_mode)
+    if "ASCENDSTORE_INTERLEAVE_PIN_MS" in os.environ:
+        extra["pin_lease_ms"] = int(os.environ["ASCENDSTORE_INTERLEAVE_PIN_MS"])
     a = EngineHarness(EngineSpec(extra_config=extra, num_blocks=96, **spec_kw))
     b = EngineHarness(EngineSpec(extra_config=extra, num_blocks=96, **spec_kw))
     seed = int(os.environ.get("ASCENDSTORE_INTERLEAVE_SEED", str(random.randrange(1 << 30))))
@@ -172,6 +197,8 @@ def test_random_interleavings_release_blocks_once_and_load_exact(mode):
             for run, eng in ((ra, a), (rb, b)):
                 worst = max(worst, run.worst_release_s())
                 _blocks_all_free(eng)
+                if TRACE and eng.read_errors():
+                    _trace_dump(eng, run, eng.read_errors(), mode)
                 assert eng.read_errors() == [], f"seed {seed}: wrong KV read (round {rnd})"
                 for r, p in run.prompts.items():
                     if r not in run.aborted:

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.vllm
 from ascendstore_vllm.testing import EngineHarness, EngineSpec  # noqa: E402
 
 from ascendstore.chaos import live_backends  # noqa: E402
+from ascendstore.engine.guard import GRACE_S  # noqa: E402
 
 HANG_S = 0.6
 #: what a late get scribbles (``faulty`` late_garbage): 0xA5A5 as int16; the fake
@@ -120,6 +121,38 @@ def test_late_get_never_writes_vllm_blocks(mode):
             assert not w.engine._retired, "a retired landing buffer was never given back"
         report(f"ownership_late_get_{mode}", late_writes=injected, reuse_rounds=k,
                retired=stats.get("load_buffers_retired", 0), timeouts=stats.get("timeouts", 0))
+    finally:
+        _set(hang_s={}, late_garbage=False)
+        eng.close()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_get_answered_within_the_grace_never_loads_garbage(mode):
+    """A hung get that wakes after its timeout but before the guard stops waiting
+    (``GRACE_S``) and scribbles: its answer reaches the engine, and must not claim
+    the garbage as loaded (the pins-on interleaving failure: a load reported OK
+    whose bytes were 0xA5)."""
+    name = pool_name("own-grace")
+    extra = faulty_extra(name, checksum=False, timeout_ms=TIMEOUT_MS, **MODES[mode])
+    eng = EngineHarness(EngineSpec(extra_config=extra, num_blocks=96))
+    try:
+        ps = prompts(4, seed=31)
+        _serve(eng, ps, "w")
+        assert eng.scheduler.reset_prefix_cache()
+        # Past the timeout the backend was given, within the guard's grace.
+        _set(hang_s={"get": TIMEOUT_MS / 1000 + GRACE_S / 2}, late_garbage=True)
+        for i, p in enumerate(ps):
+            eng.add_request(f"r{i}", p, max_tokens=2)
+            run_timed(eng)  # one request at a time: its load's first get wakes within the grace
+        _set(hang_s={}, late_garbage=False)
+        injected = sum(b.injected["late_garbage"] for b in live_backends())
+        # A get the guard gave up on retires its landing buffer; one that did not reached a waiting guard.
+        retired = eng.stats_total().get("load_buffers_retired", 0)
+        assert injected > retired, "no scribbling get answered within the grace: the test proves nothing"
+        assert _read_errors(eng) == [], "a get that scribbled was taken as loaded"
+        assert _garbage_in_blocks(eng) == 0
+        assert all(exact(eng, f"r{i}", p) for i, p in enumerate(ps))
+        report(f"ownership_grace_get_{mode}", late_writes=injected, timeouts=eng.stats_total().get("timeouts", 0))
     finally:
         _set(hang_s={}, late_garbage=False)
         eng.close()
