@@ -72,6 +72,8 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
             from ascendstore_vllm.worker import AscendStoreWorker
 
             self.worker = AscendStoreWorker(self.ctx)
+            # Async scheduling plans a step before the previous one's failed loads are known.
+            self.worker.repeat_failures = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
         # GR mode (gr.enabled): requests carrying a uid are the user store's alone;
         # every other request uses the chunk pool.
         # It shares this role's guarded client (one connection per process).

@@ -132,6 +132,10 @@ class AscendStoreWorker:
         self._async_loads: set[str] = set()
         self._recv_done: set[str] = set()
         self._load_errors: set[int] = set()
+        #: async scheduling (set by the connector from vLLM's scheduler config): see take_load_errors
+        self.repeat_failures = False
+        self._failed_prev: set[int] = set()
+        self._stale_now: set[int] = set()
         #: hybrid models: async loads that failed (vLLM takes block-level errors only
         #: from single-group models; these go back as failed_recving: recomputed)
         self._recv_failed: set[str] = set()
@@ -284,6 +288,7 @@ class AscendStoreWorker:
         self._delayed.update(meta.delayed_free)
         # Reported with this step's output: vLLM discards it for the readers and recomputes.
         self._load_errors.update(meta.stale_blocks)
+        self._stale_now = set(meta.stale_blocks)
 
     def start_load_kv(self, forward_context: ForwardContext | None) -> None:
         meta = self._meta
@@ -455,7 +460,22 @@ class AscendStoreWorker:
         return failed
 
     def take_load_errors(self) -> set[int]:
+        """Blocks to report as failed with this step's output.
+
+        Under async scheduling the scheduler plans step N+1 (and builds its
+        metadata) before step N's output, with its failed loads, comes back: a
+        request of step N+1 may read a block whose load failed in step N as
+        computed (a device hit, or the failed request's own next chunk or decode
+        step), and the stale-block guard (``stale_blocks``) only knows from step
+        N+2. So the blocks that failed in step N are reported again with step
+        N+1: vLLM discards that step's output for the requests reading them and
+        recomputes (its recovery path), the scheduler's metadata covers the rest."""
         errors, self._load_errors = self._load_errors, set()
+        if self.repeat_failures:
+            failed = errors - self._stale_now
+            errors |= self._failed_prev
+            self._failed_prev = failed
+        self._stale_now = set()
         return errors
 
     def clear(self) -> None:

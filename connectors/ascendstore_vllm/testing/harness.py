@@ -12,6 +12,13 @@ attention layers, and checks that every earlier position of the request holds
 the right KV when the layer "attends" (so a load that lands late or wrong is
 caught at the step it matters, not only at the end).
 
+``EngineSpec(async_scheduling=True)`` drives vLLM's AsyncScheduler the way the
+engine core's ``step_with_batch_queue`` does (a batch queue of two): step N+1 is
+scheduled and executed before step N's output reaches ``update_from_output``, so
+the connector's metadata for N+1 is built before N's load failures are known.
+The sampled tokens of steps still in flight are known worker-side only (the
+scheduler holds output placeholders for them), as in vLLM's model runner.
+
 Several TP ranks run in one process: each rank has its own VllmConfig copy
 (parallel_config.rank) and is made the process's KV transfer agent while it
 executes, so the real mixin code runs for every rank.
@@ -64,6 +71,22 @@ class EngineSpec:
     #: vLLM publishes KV events (KVEventsConfig enable_kv_cache_events, "null"
     #: publisher: tests replace ``scheduler.kv_event_publisher`` to read them).
     kv_events: bool = False
+    #: vLLM's async scheduling (AsyncScheduler, schedule N+1 before update_from_output(N)).
+    async_scheduling: bool = field(
+        default_factory=lambda: os.environ.get("ASCENDSTORE_HARNESS_ASYNC_SCHEDULING") == "1")
+
+
+class VllmAsyncRecomputeError(AssertionError):
+    """vLLM scheduled positions past every token the model runner knows.
+
+    Seen under async scheduling when a step that samples (a request's last prompt
+    chunk, or a decode step) reports a failed load: vLLM's
+    ``Scheduler._update_requests_with_invalid_blocks`` (0.33) truncates
+    ``num_computed_tokens`` to the failed block but leaves the request's
+    ``num_output_placeholders`` (set by ``AsyncScheduler._update_after_schedule``),
+    so the recompute is scheduled one position per placeholder too far and a real
+    runner would feed it a token it discarded (vLLM issue #45138; fixes proposed in
+    vllm-project/vllm#45146, #45430, #49252). Not the connector's to work around."""
 
 
 def fake_kv(token_ids: torch.Tensor, positions: torch.Tensor, layer: int, shard: int,
@@ -268,6 +291,7 @@ class EngineHarness:
             resolve_cache_hit_alignment_tokens,
             resolve_kv_cache_block_sizes,
         )
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec
         from vllm.v1.structured_output import StructuredOutputManager
@@ -302,11 +326,25 @@ class EngineHarness:
             c.hash_block_size = hbs
             c.cache_hit_alignment_tokens = align
         self.kv_cache_config = sched_cfg
-        self.scheduler = Scheduler(
+        if spec.async_scheduling:
+            # vLLM's CPU platform turns it off in the config; the engine core would
+            # pick AsyncScheduler and a batch queue of two with it on.
+            cfg.scheduler_config.async_scheduling = True
+        self.scheduler = (AsyncScheduler if spec.async_scheduling else Scheduler)(
             vllm_config=cfg, kv_cache_config=sched_cfg,
             structured_output_manager=StructuredOutputManager(cfg),
             block_size=sbs, hash_block_size=hbs, log_stats=True,
         )
+        #: requests whose step output vLLM discarded for failed loads (its own decision, observed)
+        self._discarded: set[str] = set()
+        handle = self.scheduler._handle_invalid_blocks
+
+        def observe_invalid_blocks(*args: Any, **kwargs: Any) -> set[str]:
+            skipped = handle(*args, **kwargs)
+            self._discarded |= skipped
+            return skipped
+
+        self.scheduler._handle_invalid_blocks = observe_invalid_blocks
         hash_fn = get_hash_fn_by_name(cfg.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self.block_hasher = get_request_block_hasher(hbs, hash_fn, cfg.num_hash_lookahead_tokens)
@@ -325,6 +363,10 @@ class EngineHarness:
         self.records: list[StepRecord] = []
         self.finished: list[str] = []
         self._computed: dict[str, int] = {}
+        #: async scheduling: steps executed whose output the scheduler has not seen
+        #: yet, newest first (vLLM's batch_queue): (output, sched output, read errors
+        #: per rank, computed before)
+        self.inflight: list[tuple[Any, Any, list[list[tuple[str, int, int]]], dict[str, int]]] = []
 
     #: the per-rank worker (a subclass may model other attention types)
     worker_class = RankWorker
@@ -366,9 +408,25 @@ class EngineHarness:
         out = []
         for r, n in so.num_scheduled_tokens.items():
             if n:
-                req = self.scheduler.requests[r]
-                out.append((r, list(req.all_token_ids), self.block_ids[r], self._computed[r], self._computed[r] + n))
+                tokens = self.worker_tokens(r)
+                end = self._computed[r] + n
+                if end > len(tokens):
+                    raise VllmAsyncRecomputeError(
+                        f"{r}: positions [{self._computed[r]}, {end}) scheduled, the runner knows {len(tokens)} "
+                        f"tokens (num_output_placeholders={self.scheduler.requests[r].num_output_placeholders}; "
+                        "vLLM #45138: a recompute after a failed load keeps its async output placeholders)")
+                out.append((r, tokens, self.block_ids[r], self._computed[r], end))
         return out
+
+    def worker_tokens(self, req_id: str) -> list[int]:
+        """The request's tokens as the model runner knows them: the scheduler's, plus
+        (async scheduling) those sampled by steps whose output it has not seen yet."""
+        tokens = list(self.scheduler.requests[req_id].all_token_ids)
+        for out, *_ in reversed(self.inflight):
+            i = out.req_id_to_index.get(req_id)
+            if i is not None:
+                tokens.extend(out.sampled_token_ids[i])
+        return tokens
 
     def sample(self, work: tuple[str, list[int], list[int], int, int]) -> list[int]:
         req_id, tokens, _, _, end = work
@@ -391,20 +449,51 @@ class EngineHarness:
 
     # -- stepping ------------------------------------------------------------------------
     def step(self) -> StepRecord:
+        if self.spec.async_scheduling:
+            return self._step_async()
         so = self.scheduler.schedule()
         self._track(so)
         before = {r: self._computed.get(r, 0) for r in so.num_scheduled_tokens}
+        out, errors = self._execute(so)
+        return self._update(so, out, errors, before)
+
+    def _execute(self, so: Any) -> tuple[Any, list[list[tuple[str, int, int]]]]:
+        """Run one step on every rank; the wrong reads it made, per rank (kept apart
+        until vLLM has accepted or discarded the step's output)."""
         marks = [len(w.read_errors) for w in self.workers]
         outs = [w.execute(so) for w in self.workers]
-        out = self.aggregator.aggregate(outs) if len(outs) > 1 else outs[0]
-        bad = set(out.kv_connector_output.invalid_block_ids) if out.kv_connector_output else set()
-        if bad:
-            # vLLM discards this step's work for requests whose loaded blocks failed
-            # (they are rescheduled and recomputed): what they read was never served.
-            redo = {r for r in so.num_scheduled_tokens if bad & set(self.block_ids.get(r, ()))}
-            for w, m in zip(self.workers, marks, strict=True):
-                w.read_errors[m:] = [e for e in w.read_errors[m:] if e[0] not in redo]
+        errors = []
+        for w, m in zip(self.workers, marks, strict=True):
+            errors.append(w.read_errors[m:])
+            del w.read_errors[m:]
+        return (self.aggregator.aggregate(outs) if len(outs) > 1 else outs[0]), errors
+
+    def _step_async(self) -> StepRecord:
+        """One call of vLLM's EngineCore.step_with_batch_queue (batch queue of two):
+        schedule and execute a new step if there is work, and feed the oldest step's
+        output to the scheduler only once two are in flight (or nothing was run)."""
+        if self.scheduler.has_requests():
+            so = self.scheduler.schedule()
+            self._track(so)
+            before = {r: self._computed.get(r, 0) for r in so.num_scheduled_tokens}
+            out, errors = self._execute(so)
+            self.inflight.insert(0, (out, so, errors, before))
+            executed = so.total_num_scheduled_tokens > 0
+            if len(self.inflight) < 2 and (executed or self.scheduler.has_requests()):
+                return self._record({}, {}, [], None, set(), keep=False)
+        elif not self.inflight:
+            return self._record({}, {}, [], None, set(), keep=False)
+        out, so, errors, before = self.inflight.pop()
+        return self._update(so, out, errors, before)
+
+    def _update(self, so: Any, out: Any, errors: list[list[tuple[str, int, int]]],
+                before: dict[str, int]) -> StepRecord:
+        self._discarded = set()
         self.scheduler.update_from_output(so, out)
+        # vLLM discarded this step's output for the requests its failed loads hit
+        # (they are rescheduled and recomputed): what they read was never served.
+        for w, errs in zip(self.workers, errors, strict=True):
+            w.read_errors.extend(e for e in errs if e[0] not in self._discarded)
         # What vLLM accepted (a step hit by a load failure is discarded and rescheduled).
         done_now = []
         for r in so.num_scheduled_tokens:
@@ -415,17 +504,23 @@ class EngineHarness:
                 # Blocks freed this step are not reused before the next schedule().
                 self.snapshot(r)
                 done_now.append(r)
-        kvo = out.kv_connector_output
+        return self._record(dict(so.num_scheduled_tokens), before, done_now, out.kv_connector_output,
+                            set(so.preempted_req_ids or ()))
+
+    def _record(self, scheduled: dict[str, int], before: dict[str, int], done_now: list[str], kvo: Any,
+                preempted: set[str], keep: bool = True) -> StepRecord:
+        """The step's record (``keep``: a step whose output the scheduler saw)."""
         rec = StepRecord(
-            scheduled=dict(so.num_scheduled_tokens), computed_before=before, finished=done_now,
+            scheduled=scheduled, computed_before=before, finished=done_now,
             invalid_block_ids=set(kvo.invalid_block_ids) if kvo else set(),
             finished_recving=set(kvo.finished_recving or ()) if kvo else set(),
             finished_sending=set(kvo.finished_sending or ()) if kvo else set(),
             stats=dict(kvo.kv_connector_stats.data) if kvo and kvo.kv_connector_stats else {},
-            preempted=set(so.preempted_req_ids or ()),
+            preempted=preempted,
         )
-        self.finished.extend(done_now)
-        self.records.append(rec)
+        if keep:
+            self.finished.extend(done_now)
+            self.records.append(rec)
         return rec
 
     def _prompt_len(self, req_id: str) -> int:
@@ -439,7 +534,7 @@ class EngineHarness:
         recs = []
         deadline = time.monotonic() + timeout_s
         for _ in range(max_steps):
-            if not self.scheduler.requests:
+            if not self.scheduler.requests and not self.inflight:
                 return recs
             if time.monotonic() > deadline:
                 break
