@@ -337,11 +337,19 @@ class EngineHarness:
         )
         #: requests whose step output vLLM discarded for failed loads (its own decision, observed)
         self._discarded: set[str] = set()
+        #: (schedule count when it happened, request, frontier): vLLM rewound a request
+        #: to recompute from the frontier after a failed load (its own decision, observed)
+        self._rewinds: list[tuple[int, str, int]] = []
+        self._sched_seq = 0
         handle = self.scheduler._handle_invalid_blocks
 
         def observe_invalid_blocks(*args: Any, **kwargs: Any) -> set[str]:
+            reqs = self.scheduler.requests
+            was = {r: q.num_computed_tokens for r, q in reqs.items()}
             skipped = handle(*args, **kwargs)
             self._discarded |= skipped
+            self._rewinds.extend((self._sched_seq, r, q.num_computed_tokens) for r, q in reqs.items()
+                                 if q.num_computed_tokens < was.get(r, 0))
             return skipped
 
         self.scheduler._handle_invalid_blocks = observe_invalid_blocks
@@ -365,8 +373,8 @@ class EngineHarness:
         self._computed: dict[str, int] = {}
         #: async scheduling: steps executed whose output the scheduler has not seen
         #: yet, newest first (vLLM's batch_queue): (output, sched output, read errors
-        #: per rank, computed before)
-        self.inflight: list[tuple[Any, Any, list[list[tuple[str, int, int]]], dict[str, int]]] = []
+        #: per rank, computed before, schedule count)
+        self.inflight: list[tuple[Any, Any, list[list[tuple[str, int, int]]], dict[str, int], int]] = []
 
     #: the per-rank worker (a subclass may model other attention types)
     worker_class = RankWorker
@@ -452,10 +460,11 @@ class EngineHarness:
         if self.spec.async_scheduling:
             return self._step_async()
         so = self.scheduler.schedule()
+        self._sched_seq += 1
         self._track(so)
         before = {r: self._computed.get(r, 0) for r in so.num_scheduled_tokens}
         out, errors = self._execute(so)
-        return self._update(so, out, errors, before)
+        return self._update(so, out, errors, before, self._sched_seq)
 
     def _execute(self, so: Any) -> tuple[Any, list[list[tuple[str, int, int]]]]:
         """Run one step on every rank; the wrong reads it made, per rank (kept apart
@@ -474,26 +483,33 @@ class EngineHarness:
         output to the scheduler only once two are in flight (or nothing was run)."""
         if self.scheduler.has_requests():
             so = self.scheduler.schedule()
+            self._sched_seq += 1
             self._track(so)
             before = {r: self._computed.get(r, 0) for r in so.num_scheduled_tokens}
             out, errors = self._execute(so)
-            self.inflight.insert(0, (out, so, errors, before))
+            self.inflight.insert(0, (out, so, errors, before, self._sched_seq))
             executed = so.total_num_scheduled_tokens > 0
             if len(self.inflight) < 2 and (executed or self.scheduler.has_requests()):
                 return self._record({}, {}, [], None, set(), keep=False)
         elif not self.inflight:
             return self._record({}, {}, [], None, set(), keep=False)
-        out, so, errors, before = self.inflight.pop()
-        return self._update(so, out, errors, before)
+        out, so, errors, before, seq = self.inflight.pop()
+        return self._update(so, out, errors, before, seq)
 
     def _update(self, so: Any, out: Any, errors: list[list[tuple[str, int, int]]],
-                before: dict[str, int]) -> StepRecord:
+                before: dict[str, int], seq: int) -> StepRecord:
         self._discarded = set()
         self.scheduler.update_from_output(so, out)
-        # vLLM discarded this step's output for the requests its failed loads hit
-        # (they are rescheduled and recomputed): what they read was never served.
+        # What a request read in this step was never served when vLLM discarded the
+        # step's output for it (a failed load hit it), or, for a step that sampled
+        # nothing, when vLLM has since rewound the request to recompute from no later
+        # than where this step started (async scheduling: the failed request's own
+        # step in flight): its KV is written again before anything reads it.
+        rewound = {r for t, r, f in self._rewinds if t >= seq and f <= before.get(r, -1)}
+        unserved = self._discarded | {r for r in rewound
+                                      if not out.sampled_token_ids[out.req_id_to_index[r]]}
         for w, errs in zip(self.workers, errors, strict=True):
-            w.read_errors.extend(e for e in errs if e[0] not in self._discarded)
+            w.read_errors.extend(e for e in errs if e[0] not in unserved)
         # What vLLM accepted (a step hit by a load failure is discarded and rescheduled).
         done_now = []
         for r in so.num_scheduled_tokens:
