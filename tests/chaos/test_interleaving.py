@@ -39,7 +39,7 @@ from chaos_scenarios import BS, exact, faulty_extra
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-from ascendstore_vllm.testing import EngineHarness, EngineSpec  # noqa: E402
+from ascendstore_vllm.testing import EngineHarness, EngineSpec, VllmAsyncRecomputeError  # noqa: E402
 
 from ascendstore.chaos import live_backends  # noqa: E402
 
@@ -59,6 +59,10 @@ MODES = {
     "layerwise": ({"use_layerwise": True}, {}),
     "tp2": ({}, {"tp_size": 2}),
     "gr": ({"gr": {"enabled": True}}, {}),
+    # vLLM's async scheduling (the default on GPU/NPU): step N+1 planned before step N's output.
+    "plain-as": ({}, {"async_scheduling": True}),
+    "async-as": ({"load_async": True}, {"async_scheduling": True}),
+    "layerwise-as": ({"use_layerwise": True}, {"async_scheduling": True}),
 }
 
 
@@ -189,7 +193,12 @@ def test_random_interleavings_release_blocks_once_and_load_exact(mode):
                         p = _prompt(rng, shared)
                         shared.append(p)
                         run.add(f"{tag}{rnd}-{i}", p)
-                run.step_until_empty()
+                try:
+                    run.step_until_empty()
+                except VllmAsyncRecomputeError as e:
+                    # A failed sync/layerwise load under async scheduling: vLLM's recompute
+                    # keeps the request's output placeholders (harness.VllmAsyncRecomputeError).
+                    pytest.xfail(f"seed {seed}, round {rnd}: {e}")
                 if tag == "a":
                     ra = run
                 else:
