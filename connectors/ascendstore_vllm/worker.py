@@ -134,8 +134,9 @@ class AscendStoreWorker:
         self._load_errors: set[int] = set()
         #: async scheduling (set by the connector from vLLM's scheduler config): see take_load_errors
         self.repeat_failures = False
+        #: blocks of synchronous or layerwise loads that failed this step, and last step
+        self._sync_failed: set[int] = set()
         self._failed_prev: set[int] = set()
-        self._stale_now: set[int] = set()
         #: hybrid models: async loads that failed (vLLM takes block-level errors only
         #: from single-group models; these go back as failed_recving: recomputed)
         self._recv_failed: set[str] = set()
@@ -288,7 +289,6 @@ class AscendStoreWorker:
         self._delayed.update(meta.delayed_free)
         # Reported with this step's output: vLLM discards it for the readers and recomputes.
         self._load_errors.update(meta.stale_blocks)
-        self._stale_now = set(meta.stale_blocks)
 
     def start_load_kv(self, forward_context: ForwardContext | None) -> None:
         meta = self._meta
@@ -319,6 +319,7 @@ class AscendStoreWorker:
                 failed = self.engine.load_now(spec.req_id, self._ops(spec, None), after=self._after_load(spec),
                                               deadline=deadline)
                 self._load_errors |= failed
+                self._sync_failed |= failed
         # Sync loads are done; async ones are collected by get_finished.
         self._collect(self.engine.take_results())
 
@@ -331,7 +332,9 @@ class AscendStoreWorker:
         i = self.layout.index.get(layer_name)
         if i is None:
             return
-        self._load_errors |= self.engine.wait_layer(i)
+        failed = self.engine.wait_layer(i)
+        self._load_errors |= failed
+        self._sync_failed |= failed
 
     def save_kv_layer(self, layer_name: str) -> None:
         if not self.ctx.config.use_layerwise or self._meta is None or self.layout is None:
@@ -424,6 +427,8 @@ class AscendStoreWorker:
                 self._recv_failed.add(req_id)
             else:
                 self._load_errors |= failed
+                if req_id not in self._async_loads:
+                    self._sync_failed |= failed
             if req_id in self._async_loads:
                 self._recv_done.add(req_id)
 
@@ -469,13 +474,14 @@ class AscendStoreWorker:
         step), and the stale-block guard (``stale_blocks``) only knows from step
         N+2. So the blocks that failed in step N are reported again with step
         N+1: vLLM discards that step's output for the requests reading them and
-        recomputes (its recovery path), the scheduler's metadata covers the rest."""
+        recomputes (its recovery path), the scheduler's metadata covers the rest.
+        Async loads need no repeat: vLLM caches their blocks only once they land,
+        and their request waits, unscheduled, until get_finished names it."""
         errors, self._load_errors = self._load_errors, set()
         if self.repeat_failures:
-            failed = errors - self._stale_now
             errors |= self._failed_prev
-            self._failed_prev = failed
-        self._stale_now = set()
+            self._failed_prev = self._sync_failed
+        self._sync_failed = set()
         return errors
 
     def clear(self) -> None:
