@@ -499,14 +499,18 @@ class EngineHarness:
     def _update(self, so: Any, out: Any, errors: list[list[tuple[str, int, int]]],
                 before: dict[str, int], seq: int) -> StepRecord:
         self._discarded = set()
+        # Aborted while the step was in flight (async scheduling): vLLM drops its output.
+        gone = {r for r in so.num_scheduled_tokens
+                if (q := self.scheduler.requests.get(r)) is None or q.is_finished()}
         self.scheduler.update_from_output(so, out)
         # What a request read in this step was never served when vLLM discarded the
         # step's output for it (a failed load hit it), or, for a step that sampled
         # nothing, when vLLM has since rewound the request to recompute from no later
         # than where this step started (async scheduling: the failed request's own
-        # step in flight): its KV is written again before anything reads it.
+        # step in flight): its KV is written again before anything reads it. Nor
+        # when the request was aborted before its output came back.
         rewound = {r for t, r, f in self._rewinds if t >= seq and f <= before.get(r, -1)}
-        unserved = self._discarded | {r for r in rewound
+        unserved = self._discarded | gone | {r for r in rewound
                                       if not out.sampled_token_ids[out.req_id_to_index[r]]}
         for w, errs in zip(self.workers, errors, strict=True):
             w.read_errors.extend(e for e in errs if e[0] not in unserved)
