@@ -247,6 +247,7 @@ class RankWorker:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         conn = get_kv_transfer_group()
+        poisoned: set[str] = set()
         for layer, name in enumerate(self.layer_names):
             conn.wait_for_layer_load(name)
             t = self.kv_caches[name]
@@ -257,9 +258,17 @@ class RankWorker:
                     want = self.expected(tokens, 0, start, layer)
                     bad = (got != want).flatten(1).any(1).nonzero().flatten().tolist()
                     self.read_errors.extend((req_id, layer, int(p)) for p in bad[:4])
+                    if bad and self.engine.poison_stale_reads:
+                        poisoned.add(req_id)
                 pos = torch.arange(start, end)
                 blocks = torch.tensor([block_ids[int(i)] for i in (pos // bs)], dtype=torch.long)
-                t[blocks, :, pos % bs, :] = self.expected(tokens, start, end, layer)
+                kv = self.expected(tokens, start, end, layer)
+                if req_id in poisoned:
+                    # A real model attending to wrong KV computes wrong KV for its new
+                    # positions (in this layer and every later one): so does this one,
+                    # so whoever reads them later is caught too.
+                    kv = kv + 0.5
+                t[blocks, :, pos % bs, :] = kv
             conn.save_kv_layer(name, t, None)
 
     def close(self) -> None:
@@ -375,6 +384,9 @@ class EngineHarness:
         #: yet, newest first (vLLM's batch_queue): (output, sched output, read errors
         #: per rank, computed before, schedule count)
         self.inflight: list[tuple[Any, Any, list[list[tuple[str, int, int]]], dict[str, int], int]] = []
+
+    #: a step that read wrong KV writes wrong KV for its new positions (as a real model would)
+    poison_stale_reads = True
 
     #: the per-rank worker (a subclass may model other attention types)
     worker_class = RankWorker
