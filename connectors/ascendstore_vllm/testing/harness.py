@@ -335,10 +335,9 @@ class EngineHarness:
             c.hash_block_size = hbs
             c.cache_hit_alignment_tokens = align
         self.kv_cache_config = sched_cfg
-        if spec.async_scheduling:
-            # vLLM's CPU platform turns it off in the config; the engine core would
-            # pick AsyncScheduler and a batch queue of two with it on.
-            cfg.scheduler_config.async_scheduling = True
+        # What this harness drives (the config alone would say on: vLLM's CPU platform
+        # turns it off only in a real server); the connector reads it from here.
+        cfg.scheduler_config.async_scheduling = spec.async_scheduling
         self.scheduler = (AsyncScheduler if spec.async_scheduling else Scheduler)(
             vllm_config=cfg, kv_cache_config=sched_cfg,
             structured_output_manager=StructuredOutputManager(cfg),
