@@ -18,6 +18,7 @@ from ascendstore.engine import (
     KVLayout,
     LayerSpan,
     SharedExists,
+    StepObjects,
     TransferEngine,
 )
 from ascendstore.engine.health import attach_health
@@ -272,6 +273,35 @@ class AscendStoreWorker:
                            c.index, layer, len(ids) * unit, None if regions is not None else partial(self._regions, ids, layer)))
         return ops
 
+    def _step_objects(self, specs: list, writer_only: bool = False) -> StepObjects:
+        """Whole-step objects (non-layerwise, non-hybrid) as parallel lists for one
+        backend call: per object a key, its cached region list and block ids, no
+        op object. The few Python operations per object here are most of what a
+        step costs beyond the copy (they run cold: the copy evicted the caches)."""
+        keys: list[str] = []
+        regions: list[list[Region]] = []
+        blocks: list[list[int]] = []
+        spans: list[tuple[str, int, int]] = []
+        cache = self._region_cache
+        get = cache.get
+        unit = self._chunk_bytes
+        filt = writer_only and self.ctx.replicas.size > 1
+        for spec in specs:
+            chunks = spec.chunks
+            if filt:
+                chunks = [c for c in chunks if self.ctx.replicas.writes(c.index)]
+            prefix = self.keys.prefix(spec.tenant, None)
+            ids = [c.block_ids for c in chunks]
+            keys += [prefix + c.chunk_hash for c in chunks]
+            regs = [get((tuple(b), None)) for b in ids]
+            if None in regs:
+                regs = [r if r is not None else self._regions(b, None) for r, b in zip(regs, ids, strict=True)]
+            if ids:
+                regions += regs
+                blocks += ids
+                spans.append((spec.req_id, len(keys), sum(map(len, ids)) * unit))
+        return StepObjects(keys, regions, blocks, spans)
+
     # -- per step ----------------------------------------------------------------------
     def handle_preemptions(self, meta: AscendStoreMetadata) -> None:
         if meta.preempted:
@@ -303,7 +333,17 @@ class AscendStoreWorker:
                     self.engine.submit_load(spec.req_id, self._ops(spec, layer), layer=layer,
                                             after=self._after_load(spec), deadline=deadline)
             return
-        for spec in meta.loads:
+        loads = meta.loads
+        if self.engine.fused and not self.ctx.hybrid:
+            # The step's sync loads as one backend call; async ones below.
+            plain = type(self)._after_load is AscendStoreWorker._after_load  # no per-request load callbacks
+            sync = [spec for spec in loads if not spec.is_async] if plain else []
+            if sync:
+                self._load_errors |= self.engine.load_step(self._step_objects(sync), deadline)
+                if len(sync) == len(loads):
+                    return  # no async load: get_finished collects earlier ones
+                loads = [spec for spec in loads if spec.is_async]
+        for spec in loads:
             if spec.is_async:
                 self._async_loads.add(spec.req_id)
                 # Its own deadline from now: a load queued behind slow ones fails
@@ -375,6 +415,16 @@ class AscendStoreWorker:
             return
         before = self._ready_hook()
         inline = self._inline_saves(meta)
+        if inline and self.engine.fused and not self.ctx.hybrid:
+            step = self._step_objects(meta.saves, writer_only=True)
+            skipped = sum(len(spec.chunks) for spec in meta.saves) - len(step.keys)
+            if self.engine.save_step(step):
+                for spec in meta.saves:
+                    if spec.pin >= 0:
+                        self._pins.append((spec.req_id, spec.pin))
+                if skipped:
+                    self.metrics.add(save_skipped_not_writer=skipped)
+                return
         for spec in meta.saves:
             if spec.pin >= 0:
                 self._pins.append((spec.req_id, spec.pin))
