@@ -409,10 +409,12 @@ def test_load_step_past_its_deadline_fails_fast():
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_save_step_matches_one_inline_save_per_request(seed):
-    """One exists and one put for the step, same outcome as one inline save per
-    request: objects already pooled skipped, failures and NO_SPACE counted,
-    requests the save queue has no room for dropped, landed keys reported."""
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "save-thread"])
+def test_save_step_matches_one_save_per_request(seed, inline):
+    """One exists and one put for the step, same outcome as one save per request
+    (inline, or queued on the save thread): objects already pooled skipped,
+    failures and NO_SPACE counted, requests the save queue has no room for
+    dropped, landed keys reported, the queue's room given back."""
     import random
 
     rng = random.Random(seed)
@@ -437,12 +439,17 @@ def test_save_step_matches_one_inline_save_per_request(seed):
         if reserve:
             assert eng.admit_save(1, reserve)
         if fused:
-            assert eng.save_step(step)
-            assert [op for op, _ in be.calls].count("put") <= 1
+            assert eng.save_step(step) if inline else eng.submit_save_step(step)
         else:
             for req, req_ops in ops.items():
                 if req_ops:
-                    eng.submit_save(req, req_ops, inline=True)
+                    eng.submit_save(req, req_ops, inline=inline)
+        assert eng.wait("save", list(ops), 5)
+        if fused:
+            assert [op for op, _ in be.calls].count("put") <= 1
+        if reserve:
+            eng._save_slots -= 1
+            eng._save_bytes -= reserve
         m = eng.metrics.totals()
         results.append(({k: m.get(k, 0) for k in _COUNTED}, sorted(eng.take_landed()), dict(be.data),
                         eng._save_slots, eng._save_bytes))
@@ -459,4 +466,24 @@ def test_save_step_leaves_a_step_saving_one_object_twice_to_the_per_request_path
     eng = TransferEngine(BackendGuard(be, 1.0))
     assert not eng.save_step(StepObjects(["x", "x"], [r, r], [[1], [2]], [("a", 1, 16), ("b", 2, 16)]))
     assert not be.calls and eng._save_slots == 0
+    eng.shutdown()
+
+
+def test_a_queued_step_save_is_pending_under_each_request():
+    from ascendstore.engine import StepObjects
+
+    be = DirectMem()
+    be.delay_s = 0.3
+    src = torch.arange(64, dtype=torch.uint8)
+    _KEEP.append(src)
+    r = [Region(src.data_ptr(), 16)]
+    eng = TransferEngine(BackendGuard(be, 2.0))
+    assert eng.submit_save_step(StepObjects(["x", "y", "z"], [r, r, r], [[1], [2], [3]],
+                                            [("a", 1, 16), ("b", 3, 32)]))
+    assert eng.pending("save", "a") and eng.pending("save", "b") and eng._save_slots == 2
+    assert eng.wait("save", ["a", "b"], 5)
+    assert not eng.pending("save", "a") and not eng.pending("save", "b")
+    assert eng._save_slots == 0 and eng._save_bytes == 0
+    assert sorted(eng.take_landed()) == ["x", "y", "z"] and be.data["y"] == bytes(range(16))
+    assert eng.take_results().saved == {"a", "b"}
     eng.shutdown()

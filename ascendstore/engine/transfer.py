@@ -204,6 +204,10 @@ class _Task:
     reserved: int = 0
     #: save: calls that overran and may still read the blocks; done only once all are True.
     held: list[Release] = field(default_factory=list)
+    #: a whole step's saves as one task (``submit_save_step``): its objects, and the
+    #: requests it stands for (pending under each; ``reserved`` is all of theirs).
+    step: StepObjects | None = None
+    reqs: tuple[str, ...] = ()
 
 
 @dataclass(eq=False, slots=True)
@@ -579,6 +583,45 @@ class TransferEngine:
                 self._saved.update(req_id for (req_id, _, _), ok in zip(spans, admitted, strict=True) if ok)
         return True
 
+    def submit_save_step(self, step: StepObjects, before: Hook | None = None) -> bool:
+        """A step's saves as one task on the save thread (requires ``fused``), the
+        same outcome as one ``submit_save`` per request: each request admitted on
+        its own (one without room is dropped), pending under its own id until the
+        task ends, objects already pooled skipped; one exists and one put. False
+        (nothing queued): two requests save the same object in this step (see
+        ``save_step``)."""
+        spans = step.spans
+        if not spans:
+            return True
+        if len(spans) > 1 and len(set(step.keys)) != len(step.keys):
+            return False
+        admitted = [self.admit_save(1, nb) for _, _, nb in spans]
+        if not all(admitted):
+            idx: list[int] = []
+            kept: list[tuple[str, int, int]] = []
+            start = 0
+            for (req_id, end, nb), ok in zip(spans, admitted, strict=True):
+                if ok:
+                    idx.extend(range(start, end))
+                    kept.append((req_id, len(idx), nb))
+                else:
+                    self.metrics.add(save_dropped_queue_full=end - start)
+                start = end
+            if not kept:
+                return True
+            step = StepObjects([step.keys[i] for i in idx], [step.regions[i] for i in idx],
+                               [step.blocks[i] for i in idx], kept)
+        reqs = tuple(s[0] for s in step.spans)
+        task = _Task("save", reqs[0], [], before=before, deadline=time.monotonic() + self.timeout_s,
+                     reserved=step.nbytes, step=step, reqs=reqs)
+        with self._lock:
+            for r in reqs:
+                self._pending["save"][r].append(task)
+        q = self._queues["save"]
+        q.put(task)
+        self.metrics.peak(queue_depth_max=q.qsize())
+        return True
+
     def _save_flat(self, keys: list[str], regions: list[list[Region]], nbytes: int | None) -> None:
         """``nbytes``: of all the objects, if known (saves a pass over the regions)."""
         exists = self.guard.exists(keys)
@@ -626,7 +669,8 @@ class TransferEngine:
     # -- bookkeeping ------------------------------------------------------------------
     def _task_timeout(self, tasks: Sequence[_Task]) -> float:
         # Each batch call is bounded by timeout_s; allow for every batch queued ahead.
-        return self.timeout_s * (2 + sum(1 + len(t.ops) // 64 for t in tasks)) + self.stagger_delay_s
+        return self.timeout_s * (2 + sum(1 + (len(t.step.keys) if t.step else len(t.ops)) // 64 for t in tasks)
+                                 ) + self.stagger_delay_s
 
     def _enqueue(self, task: _Task) -> None:
         with self._lock:
@@ -637,19 +681,21 @@ class TransferEngine:
 
     def _finish(self, task: _Task) -> None:
         with self._lock:
-            lst = self._pending[task.kind].get(task.req_id, [])
-            if task in lst:
-                lst.remove(task)
-            if task.kind == "load":
-                self._loaded.setdefault(task.req_id, set()).update(task.failed)
-                if not lst:
-                    self._pending["load"].pop(task.req_id, None)
-            else:
-                self._save_slots -= 1
+            for req_id in task.reqs or (task.req_id,):
+                lst = self._pending[task.kind].get(req_id, [])
+                if task in lst:
+                    lst.remove(task)
+                if task.kind == "load":
+                    self._loaded.setdefault(req_id, set()).update(task.failed)
+                    if not lst:
+                        self._pending["load"].pop(req_id, None)
+                else:
+                    self._save_slots -= 1
+                    if not lst:
+                        self._pending["save"].pop(req_id, None)
+                        self._saved.add(req_id)
+            if task.kind == "save":
                 self._save_bytes -= task.reserved
-                if not lst:
-                    self._pending["save"].pop(task.req_id, None)
-                    self._saved.add(task.req_id)
         task.done.set()
 
     def _end_save(self, task: _Task) -> None:
@@ -924,6 +970,12 @@ class TransferEngine:
     def _do_save(self, task: _Task) -> None:
         if task.before is not None:
             task.before()
+        if task.step is not None:
+            if self._late(task):
+                self.metrics.add(save_dropped_late=len(task.step.keys))
+            else:
+                self._save_flat(task.step.keys, task.step.regions, task.step.nbytes)
+            return
         ops = task.ops
         # Per-op outcomes matter only to layerwise saves sharing one exists (a chunk
         # is stored whole or dropped); plain saves skip that bookkeeping.
