@@ -1,11 +1,8 @@
 """Throughput of the embedded ``local`` pool against memcpy measured in the same run.
 
 Every figure is GB/s of one batch call (``BATCH`` objects) repeated for
-``min_s`` per round; within a round all configurations of an object size take
-turns of ~5 ms each until each has run ``min_s`` (``harness.interleave_rates``),
-so a ratio's two sides share the same stretch of machine time; a warm-up round
-is not timed. Gets land in a buffer of their own (the put source keeps what the
-pool holds, checked byte for byte at the end). Baselines are the
+``min_s``; all configurations of an object size run interleaved round by round
+(bench/harness.py), after a warm-up round that is not timed. Baselines are the
 same kind of call as a pool put/get:
 
 - ``memcpy``: one C call per batch (``_shmpool.copy_regions``) doing one memcpy
@@ -38,7 +35,7 @@ from collections.abc import Callable
 
 import numpy as np
 import typer
-from harness import Stat, env_info, interleave, interleave_rates, ratios, stat
+from harness import Stat, env_info, interleave, rate, ratios, stat
 from rich.console import Console
 from rich.table import Table
 
@@ -85,8 +82,9 @@ def bench_dram(size: int, rounds: int, min_s: float, pool_bytes: int, page_size:
         user = np.random.default_rng(0).integers(0, 255, BATCH * size, dtype=np.uint8)
         ua = [user.ctypes.data + j * size for j in range(BATCH)]
         regions = [[Region(a, size)] for a in ua]
-        # Gets (pool and baselines) land in their own buffer: the put source keeps
-        # what the pool holds, for the byte-exact check at the end.
+        # Gets (pool and baselines) land in a buffer of their own: the put source
+        # keeps what the pool holds, for the byte-exact check at the end (it used to
+        # pass only when a put of batch 0 ran after the last memcpy get).
         sink = np.ones_like(user)
         sa = [sink.ctypes.data + j * size for j in range(BATCH)]
         sregions = [[Region(a, size)] for a in sa]
@@ -100,13 +98,8 @@ def bench_dram(size: int, rounds: int, min_s: float, pool_bytes: int, page_size:
         nbytes = BATCH * size
         turn: dict[str, int] = {}
 
-        def nxt(name: str) -> int:
-            # Each case walks the working set on its own, starting at its own place
-            # (spread evenly): cases take turns call by call, and two walking the same
-            # memory in step would find the other's last batch in the cache.
-            if name not in turn:
-                turn[name] = len(turn) * len(batches) // 12 - 1
-            b = turn[name] = (turn[name] + 1) % len(batches)
+        def nxt(name: str) -> int:  # each case walks the working set on its own
+            b = turn[name] = (turn.get(name, -1) + 1) % len(batches)
             return b
 
         def pool_op(op: str, ck: str) -> Callable[[], int]:
@@ -148,12 +141,7 @@ def bench_dram(size: int, rounds: int, min_s: float, pool_bytes: int, page_size:
             cases[f"{op}: memcpy/obj"] = memcpy(to_pool, "anon", True)
             cases[f"{op}: memcpy shm"] = memcpy(to_pool, "shm", False)
             cases[f"{op}: stream"] = memcpy(to_pool, "anon", False, stream=1 if to_pool else 2)
-        # Turns of ~5 ms per case (~70 batch calls of 2 MiB, 2 of 64 MiB): short enough
-        # that a ratio's two sides share each stretch of machine time, long enough
-        # that a turn runs with its own working state (the pool's index, its TLB
-        # entries) rather than what the previous case left in the cache.
-        calls = max(1, round(150e6 / nbytes))
-        samples = {k: [x / 1e9 for x in v] for k, v in interleave_rates(cases, rounds, min_s, calls).items()}
+        samples = interleave({k: (lambda f=f: rate(f, min_s) / 1e9) for k, f in cases.items()}, rounds)
         out: dict = {"gbps": {k: stat(v).as_dict() for k, v in samples.items()}, "ratio": {}}
         for op in ("put", "get"):
             for ck in ("off", "on"):

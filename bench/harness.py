@@ -105,36 +105,6 @@ def interleave(cases: Mapping[str, Callable[[], float]], rounds: int, warmup: in
     return out
 
 
-def interleave_rates(cases: Mapping[str, Callable[[], int]], rounds: int, min_s: float, calls: int = 1,
-                     warmup: int = 1) -> dict[str, list[float]]:
-    """Rates (units per second) of every case per round, interleaved call by call.
-
-    Within a round the cases take turns, ``calls`` calls each (a turn of well under
-    a millisecond), until every case has run ``min_s``: each case's rate in a round
-    is measured over the same stretch of time as the others', so a neighbour's
-    burst on this shared machine hits a ratio's two sides alike, not whichever
-    case ran in that second. The first case of the turns rotates from round to
-    round; ``warmup`` rounds run first and are dropped."""
-    names = list(cases)
-    out: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(warmup + rounds):
-        k = r % len(names)
-        order = names[k:] + names[:k]
-        done = dict.fromkeys(names, 0)
-        spent = dict.fromkeys(names, 0.0)
-        while min(spent.values()) < min_s:
-            for name in order:
-                fn = cases[name]
-                t0 = clock()
-                for _ in range(calls):
-                    done[name] += fn()
-                spent[name] += clock() - t0
-        if r >= warmup:
-            for name in names:
-                out[name].append(done[name] / spent[name])
-    return out
-
-
 def load_average() -> tuple[float, float, float]:
     return os.getloadavg()
 

@@ -24,27 +24,6 @@ def test_interleave_rotates_order_and_drops_warmup():
     assert out["a"] == [6.0, 8.0, 10.0]  # the warm-up round's samples (1, 2, 3) are dropped
 
 
-def test_interleave_rates_takes_turns_within_a_round(monkeypatch):
-    """Cases alternate turn by turn inside each round (first case rotated per
-    round) until every case has run min_s; a rate is units over that case's time."""
-    now = [0.0]
-    monkeypatch.setattr(harness, "clock", lambda: now[0])
-    calls: list[str] = []
-    cost = {"a": 1.0, "b": 2.0}
-
-    def case(n: str):
-        def fn() -> int:
-            calls.append(n)
-            now[0] += cost[n]
-            return 10
-        return fn
-
-    out = harness.interleave_rates({n: case(n) for n in "ab"}, rounds=2, min_s=3.0, calls=1, warmup=1)
-    # warm-up round: a b a b a b (a needs 3 turns to reach 3 s); then b first, then a first
-    assert calls == list("ababab" "bababa" "ababab")
-    assert out == {"a": [10 / 1.0, 10 / 1.0], "b": [10 / 2.0, 10 / 2.0]}
-
-
 def test_stat_and_per_round_ratios():
     s = harness.stat([3.0, 1.0, 2.0])
     assert (s.median, s.min, s.max, s.n) == (2.0, 1.0, 3.0, 3)
