@@ -82,6 +82,12 @@ def bench_dram(size: int, rounds: int, min_s: float, pool_bytes: int, page_size:
         user = np.random.default_rng(0).integers(0, 255, BATCH * size, dtype=np.uint8)
         ua = [user.ctypes.data + j * size for j in range(BATCH)]
         regions = [[Region(a, size)] for a in ua]
+        # Gets (pool and baselines) land in a buffer of their own: the put source
+        # keeps what the pool holds, for the byte-exact check at the end (it used to
+        # pass only when a put of batch 0 ran after the last memcpy get).
+        sink = np.ones_like(user)
+        sa = [sink.ctypes.data + j * size for j in range(BATCH)]
+        sregions = [[Region(a, size)] for a in sa]
         anon = np.ones(n_keys * size, dtype=np.uint8)  # baseline's stand-in for the pool
         shm = _ShmMirror(n_keys * size)
         mirrors = {"anon": anon.ctypes.data, "shm": shm.addr}
@@ -99,9 +105,10 @@ def bench_dram(size: int, rounds: int, min_s: float, pool_bytes: int, page_size:
         def pool_op(op: str, ck: str) -> Callable[[], int]:
             be, name = pools[ck], f"{op}-{ck}"
             call = be.put if op == "put" else be.get
+            regs = regions if op == "put" else sregions
 
             def fn() -> int:
-                st = call(batches[nxt(name)], regions, 5.0)
+                st = call(batches[nxt(name)], regs, 5.0)
                 assert st == [Status.OK] * BATCH, st
                 return nbytes
 
@@ -113,7 +120,7 @@ def bench_dram(size: int, rounds: int, min_s: float, pool_bytes: int, page_size:
 
             def fn() -> int:
                 ma = maddr[mirror][nxt(name)]
-                dst, src = (ma, ua) if to_pool else (ua, ma)
+                dst, src = (ma, ua) if to_pool else (sa, ma)
                 if per_object:
                     for d, s in zip(dst, src, strict=True):
                         cr((d,), (s,), size)

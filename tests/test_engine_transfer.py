@@ -288,3 +288,202 @@ def test_layerwise_loader_runs_at_most_prefetch_layers_ahead():
         assert eng.wait_layer(layer) == set()
     assert dst.view(4, 16)[:, 0].tolist() == [1, 2, 3, 4]
     eng.shutdown()
+
+
+# -- a whole step in one backend call (load_step / save_step) ----------------------------
+class DirectMem(MemBackend):
+    """Bounded and in-process like the local pool (the engine may fuse a step), with
+    planted per-key statuses: a get or put of a key in ``status_of`` answers that
+    status and moves nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.status_of: dict[str, Status] = {}
+
+    @property
+    def capabilities(self):
+        from ascendstore.contract import Capabilities
+
+        return Capabilities(bounded_calls=True)
+
+    def get(self, keys, regions, timeout_s):
+        out = super().get(keys, [[] if k in self.status_of else r for k, r in zip(keys, regions, strict=True)],
+                          timeout_s)
+        return [self.status_of.get(k, s) for k, s in zip(keys, out, strict=True)]
+
+    def put(self, keys, regions, timeout_s):
+        out = super().put(keys, regions, timeout_s)
+        for k in keys:
+            if k in self.status_of:
+                self.data.pop(k, None)
+        return [self.status_of.get(k, s) for k, s in zip(keys, out, strict=True)]
+
+
+def _random_step(rng, buf: torch.Tensor, size: int):
+    """Requests of 0-6 objects (some blocks already on the device: negative ids)."""
+    from ascendstore.engine import StepObjects
+
+    base, reqs, pos = buf.data_ptr(), [], 0
+    for r in range(rng.randint(1, 4)):
+        objs = []
+        for i in range(rng.randint(0, 6)):
+            ids = [pos * 2, pos * 2 + 1] if rng.random() < 0.8 else [-1, pos * 2 + 1]
+            objs.append((f"r{r}-k{i}", [Region(base + pos * size, size // 2), Region(base + pos * size + size // 2,
+                                                                                    size // 2)], ids))
+            pos += 1
+        reqs.append((f"r{r}", objs))
+    keys, regions, blocks, spans = [], [], [], []
+    for req, objs in reqs:
+        keys += [k for k, _, _ in objs]
+        regions += [r for _, r, _ in objs]
+        blocks += [b for _, _, b in objs]
+        if objs:
+            spans.append((req, len(keys), len(objs) * size))
+    ops = {req: [ChunkOp(k, r, [b for b in ids if b >= 0], i, None, size) for i, (k, r, ids) in enumerate(objs)]
+           for req, objs in reqs}
+    return StepObjects(keys, regions, blocks, spans), ops
+
+
+_COUNTED = ("load_ops", "load_bytes", "load_failures", "load_corrupt", "save_ops", "save_bytes", "save_failures",
+            "save_no_space", "save_skipped_existing", "save_dropped_queue_full")
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_load_step_matches_one_load_per_request(seed):
+    """One backend call for the step, same outcome as the per-request path: failed
+    blocks, counters, per-request staggered read order, bytes landed, corrupt
+    objects removed."""
+    import random
+
+    rng = random.Random(seed)
+    size = 32
+    index, nranks = rng.choice([(0, 1), (1, 2), (2, 3)])
+    src = torch.randint(0, 255, (64 * size,), dtype=torch.uint8)
+    outs, results = [], []
+    step = None
+    statuses = [Status.NOT_FOUND, Status.CORRUPT, Status.UNAVAILABLE, Status.TIMEOUT]
+    plan = {}
+    for fused in (True, False):
+        be = DirectMem()
+        dst = torch.zeros(64 * size, dtype=torch.uint8)
+        _KEEP.append(dst)
+        step, ops = _random_step(random.Random(seed), dst, size)
+        for i, k in enumerate(step.keys):
+            if fused:
+                plan[k] = rng.choice(statuses) if rng.random() < 0.3 else Status.OK
+            if plan[k] is not Status.NOT_FOUND:
+                be.data[k] = bytes(src[i * size:(i + 1) * size].tolist())
+            if plan[k] not in (Status.OK, Status.NOT_FOUND):
+                be.status_of[k] = plan[k]
+        eng = TransferEngine(BackendGuard(be, 1.0), stagger_index=index, stagger_size=nranks)
+        assert eng.fused
+        deadline = time.monotonic() + 5
+        if fused:
+            failed = eng.load_step(step, deadline)
+            assert [op for op, _ in be.calls].count("get") == (1 if step.keys else 0)
+        else:
+            failed = set()
+            for req, req_ops in ops.items():
+                failed |= eng.load_now(req, req_ops, deadline=deadline)
+        m = eng.metrics.totals()
+        results.append((failed, {k: m.get(k, 0) for k in _COUNTED}, list(eng.load_order), sorted(be.data)))
+        outs.append(dst.clone())
+        eng.shutdown()
+    assert results[0] == results[1]
+    assert torch.equal(outs[0], outs[1])
+    bad = {b for i, k in enumerate(step.keys) if plan[k] is not Status.OK for b in step.blocks[i] if b >= 0}
+    assert results[0][0] == bad
+
+
+def test_load_step_past_its_deadline_fails_fast():
+    be = DirectMem()
+    dst = torch.zeros(128, dtype=torch.uint8)
+    from ascendstore.engine import StepObjects
+
+    be.data["a"] = bytes(16)
+    eng = TransferEngine(BackendGuard(be, 1.0))
+    failed = eng.load_step(StepObjects(["a"], [[Region(dst.data_ptr(), 16)]], [[3, -1]], [("r", 1, 16)]),
+                           time.monotonic() - 1)
+    assert failed == {3} and not be.calls and eng.metrics.totals()["load_failures"] == 1
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "save-thread"])
+def test_save_step_matches_one_save_per_request(seed, inline):
+    """One exists and one put for the step, same outcome as one save per request
+    (inline, or queued on the save thread): objects already pooled skipped,
+    failures and NO_SPACE counted, requests the save queue has no room for
+    dropped, landed keys reported, the queue's room given back."""
+    import random
+
+    rng = random.Random(seed)
+    size = 32
+    plan, pooled, results = {}, set(), []
+    reserve = rng.choice([0, 64, 200])  # bytes of an async save in flight (makes the queue busy)
+    for fused in (True, False):
+        be = DirectMem()
+        src = torch.randint(0, 255, (64 * size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+        _KEEP.append(src)
+        step, ops = _random_step(random.Random(seed), src, size)
+        for k in step.keys:
+            if fused:
+                plan[k] = rng.choice([Status.UNAVAILABLE, Status.NO_SPACE]) if rng.random() < 0.2 else Status.OK
+                if rng.random() < 0.3:
+                    pooled.add(k)
+            if k in pooled:
+                be.data[k] = b"old"
+            if plan[k] is not Status.OK:
+                be.status_of[k] = plan[k]
+        eng = TransferEngine(BackendGuard(be, 1.0), save_queue_bytes=256)
+        if reserve:
+            assert eng.admit_save(1, reserve)
+        if fused:
+            assert eng.save_step(step) if inline else eng.submit_save_step(step)
+        else:
+            for req, req_ops in ops.items():
+                if req_ops:
+                    eng.submit_save(req, req_ops, inline=inline)
+        assert eng.wait("save", list(ops), 5)
+        if fused:
+            assert [op for op, _ in be.calls].count("put") <= 1
+        if reserve:
+            eng._save_slots -= 1
+            eng._save_bytes -= reserve
+        m = eng.metrics.totals()
+        results.append(({k: m.get(k, 0) for k in _COUNTED}, sorted(eng.take_landed()), dict(be.data),
+                        eng._save_slots, eng._save_bytes))
+        eng.shutdown()
+    assert results[0] == results[1]
+
+
+def test_save_step_leaves_a_step_saving_one_object_twice_to_the_per_request_path():
+    from ascendstore.engine import StepObjects
+
+    be = DirectMem()
+    src = torch.zeros(64, dtype=torch.uint8)
+    r = [Region(src.data_ptr(), 16)]
+    eng = TransferEngine(BackendGuard(be, 1.0))
+    assert not eng.save_step(StepObjects(["x", "x"], [r, r], [[1], [2]], [("a", 1, 16), ("b", 2, 16)]))
+    assert not be.calls and eng._save_slots == 0
+    eng.shutdown()
+
+
+def test_a_queued_step_save_is_pending_under_each_request():
+    from ascendstore.engine import StepObjects
+
+    be = DirectMem()
+    be.delay_s = 0.3
+    src = torch.arange(64, dtype=torch.uint8)
+    _KEEP.append(src)
+    r = [Region(src.data_ptr(), 16)]
+    eng = TransferEngine(BackendGuard(be, 2.0))
+    assert eng.submit_save_step(StepObjects(["x", "y", "z"], [r, r, r], [[1], [2], [3]],
+                                            [("a", 1, 16), ("b", 3, 32)]))
+    assert eng.pending("save", "a") and eng.pending("save", "b") and eng._save_slots == 2
+    assert eng.wait("save", ["a", "b"], 5)
+    assert not eng.pending("save", "a") and not eng.pending("save", "b")
+    assert eng._save_slots == 0 and eng._save_bytes == 0
+    assert sorted(eng.take_landed()) == ["x", "y", "z"] and be.data["y"] == bytes(range(16))
+    assert eng.take_results().saved == {"a", "b"}
+    eng.shutdown()

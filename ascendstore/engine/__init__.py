@@ -10,7 +10,7 @@ from ascendstore.engine.layout import KVLayout, LayerSpan, tensor_block_runs
 from ascendstore.engine.lookup import PoolLookup
 from ascendstore.engine.metrics import EngineMetrics
 from ascendstore.engine.plan import ChunkOp, KeyBuilder, ReplicaGroup, chunk_count, stagger
-from ascendstore.engine.transfer import SharedExists, Stager, TransferEngine, TransferResult
+from ascendstore.engine.transfer import SharedExists, Stager, StepObjects, TransferEngine, TransferResult
 
 __all__ = [
     "BackendGuard",
@@ -23,6 +23,7 @@ __all__ = [
     "ReplicaGroup",
     "SharedExists",
     "Stager",
+    "StepObjects",
     "TransferEngine",
     "TransferResult",
     "chunk_count",

@@ -208,6 +208,8 @@ class BackendGuard:
         if type(result) is list and len(result) == n and result.count(Status.OK) == n:
             # Every key OK, the usual answer: one C-level pass instead of a lookup per key.
             return [Status.OK] * n
+        if type(result) is list and len(result) == n and result.count(Status.NOT_FOUND) == n:
+            return [Status.NOT_FOUND] * n  # none there: a save's exists, usually
         try:
             # A dict lookup per key: Status(s) costs ~0.4 us each, which adds up on
             # the lookup of a long prompt (thousands of keys).

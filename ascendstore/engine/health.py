@@ -194,8 +194,9 @@ class HealthMonitor:
         """One backend call's outcome (probes report through ``_run_probe``)."""
         if not statuses or self.degraded:
             return
-        if not self._failures and statuses.count(Status.OK) == len(statuses):
-            return  # healthy and all OK (the usual case): nothing to reset
+        if not self._failures and (statuses.count(Status.OK) == len(statuses)
+                                   or statuses.count(Status.NOT_FOUND) == len(statuses)):
+            return  # healthy and all OK, or all absent (a save's exists): nothing to reset
         sick = sum(s in SICK for s in statuses)
         failed = sick and sick >= FAILED_SHARE * len(statuses)
         with self._lock:

@@ -204,6 +204,30 @@ class _Task:
     reserved: int = 0
     #: save: calls that overran and may still read the blocks; done only once all are True.
     held: list[Release] = field(default_factory=list)
+    #: a whole step's saves as one task (``submit_save_step``): its objects, and the
+    #: requests it stands for (pending under each; ``reserved`` is all of theirs).
+    step: StepObjects | None = None
+    reqs: tuple[str, ...] = ()
+
+
+@dataclass(eq=False, slots=True)
+class StepObjects:
+    """A whole step's objects of one direction as parallel lists, without an op
+    object per chunk: built once per step by the connector, moved by one backend
+    call (``TransferEngine.load_step`` / ``save_step``). On a small step the Python
+    around the copy runs with cold caches (the previous step's copy evicted them),
+    so what counts is how little of it there is per object."""
+
+    keys: list[str]
+    regions: list[list[Region]]
+    #: vLLM block ids per object (negative: already on the device, never reported)
+    blocks: list[list[int]]
+    #: per request, in order: (request id, end index into the lists, bytes)
+    spans: list[tuple[str, int, int]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s[2] for s in self.spans)
 
 
 class _ByteBudget:
@@ -447,6 +471,187 @@ class TransferEngine:
         self._enqueue(task)
         return True
 
+    # -- a whole step in one call ----------------------------------------------------
+    @property
+    def fused(self) -> bool:
+        """A step's sync loads (and inline saves) may go as one backend call
+        (``load_step``, ``save_step``): the backend runs on this thread and is done
+        with the memory when it returns (``guard.direct``), KV is host memory the
+        backend reads (no stager), and neither an in-flight byte cap nor a stagger
+        delay asks for batches or waits."""
+        return (self.guard.direct and self.stager is None and not self.max_inflight_bytes
+                and not (self.stagger_delay_s and self.stagger_index))
+
+    def load_step(self, step: StepObjects, deadline: float) -> set[int]:
+        """The sync loads of a step as one backend call (requires ``fused``), the
+        same outcome as one ``load_now`` per request: each request's reads
+        staggered, one deadline, failed blocks returned (all requests together),
+        misses logged per request, corrupt objects dropped."""
+        keys, regions, blocks = step.keys, step.regions, step.blocks
+        if self.stagger_size > 1:
+            order: list[int] = []
+            start = 0
+            for _, end, _ in step.spans:
+                part = stagger(range(start, end), self.stagger_index, self.stagger_size)
+                if part:
+                    self.load_order.append([keys[i] for i in part])
+                order += part
+                start = end
+            keys, regions, blocks = [keys[i] for i in order], [regions[i] for i in order], [blocks[i] for i in order]
+        else:
+            start = 0
+            for _, end, _ in step.spans:
+                if end > start:
+                    self.load_order.append(keys[start:end])
+                start = end
+        n = len(keys)
+        if not n:
+            return set()
+        left = min(self.timeout_s, deadline - time.monotonic())
+        if left > 0:
+            t0 = time.perf_counter()
+            statuses = self.guard.get(keys, regions, left)
+            dt = time.perf_counter() - t0
+        else:  # the step's time is spent: fail fast (recompute)
+            statuses, dt = [Status.TIMEOUT] * n, 0.0
+        if statuses.count(Status.OK) == n:  # the usual case: no pass per object
+            if dt:
+                self.metrics.add(load_ops=n, load_bytes=step.nbytes, load_time_s=dt)
+            return set()
+        failed: set[int] = set()
+        good = good_bytes = 0
+        corrupt: list[str] = []
+        start = 0
+        for req_id, end, _ in step.spans:
+            gone = []
+            for i in range(start, end):
+                st = statuses[i]
+                if st is Status.OK:
+                    good += 1
+                    good_bytes += sum(r.length for r in regions[i])
+                    continue
+                failed.update(b for b in blocks[i] if b >= 0)
+                if st is Status.NOT_FOUND:
+                    gone.append(keys[i])
+                elif st is Status.CORRUPT:
+                    corrupt.append(keys[i])
+            if gone:
+                self._log_lookup_miss(req_id, gone)
+            start = end
+        if dt:
+            self.metrics.add(load_ops=good, load_bytes=good_bytes, load_time_s=dt)
+        self.metrics.add(load_failures=n - good)
+        if corrupt:
+            self._drop_corrupt(corrupt)
+        return failed
+
+    def save_step(self, step: StepObjects) -> bool:
+        """A step's saves run now on this thread as one exists and one put (requires
+        ``fused``), the same outcome as one inline ``submit_save`` per request:
+        each request admitted against the save queue on its own (one not admitted
+        is dropped), objects already pooled skipped, landed keys noted. False
+        (nothing done): two requests save the same object in this step, which
+        the per-request path handles (the second finds the first's put)."""
+        spans = step.spans
+        if len(spans) > 1 and len(set(step.keys)) != len(step.keys):
+            return False
+        keys, regions = step.keys, step.regions
+        # One inline save is admitted, runs and gives its room back before the
+        # next: each request needs room beside the queued (async) saves only.
+        with self._lock:
+            slots, queued = self._save_slots, self._save_bytes
+        admitted = [not slots or (slots + 1 <= self._save_slots_limit
+                                  and not (self._save_bytes_limit and queued + nb > self._save_bytes_limit))
+                    for _, _, nb in spans]
+        nbytes: int | None = step.nbytes
+        if not all(admitted):
+            nbytes = None
+            keep_idx: list[int] = []
+            start = 0
+            for (_, end, _), ok in zip(spans, admitted, strict=True):
+                if ok:
+                    keep_idx.extend(range(start, end))
+                else:
+                    self.metrics.add(save_dropped_queue_full=end - start)
+                start = end
+            keys, regions = [keys[i] for i in keep_idx], [regions[i] for i in keep_idx]
+        try:
+            if keys:
+                self._save_flat(keys, regions, nbytes)
+        finally:
+            with self._lock:
+                self._saved.update(req_id for (req_id, _, _), ok in zip(spans, admitted, strict=True) if ok)
+        return True
+
+    def submit_save_step(self, step: StepObjects, before: Hook | None = None) -> bool:
+        """A step's saves as one task on the save thread (requires ``fused``), the
+        same outcome as one ``submit_save`` per request: each request admitted on
+        its own (one without room is dropped), pending under its own id until the
+        task ends, objects already pooled skipped; one exists and one put. False
+        (nothing queued): two requests save the same object in this step (see
+        ``save_step``)."""
+        spans = step.spans
+        if not spans:
+            return True
+        if len(spans) > 1 and len(set(step.keys)) != len(step.keys):
+            return False
+        admitted = [self.admit_save(1, nb) for _, _, nb in spans]
+        if not all(admitted):
+            idx: list[int] = []
+            kept: list[tuple[str, int, int]] = []
+            start = 0
+            for (req_id, end, nb), ok in zip(spans, admitted, strict=True):
+                if ok:
+                    idx.extend(range(start, end))
+                    kept.append((req_id, len(idx), nb))
+                else:
+                    self.metrics.add(save_dropped_queue_full=end - start)
+                start = end
+            if not kept:
+                return True
+            step = StepObjects([step.keys[i] for i in idx], [step.regions[i] for i in idx],
+                               [step.blocks[i] for i in idx], kept)
+        reqs = tuple(s[0] for s in step.spans)
+        task = _Task("save", reqs[0], [], before=before, deadline=time.monotonic() + self.timeout_s,
+                     reserved=step.nbytes, step=step, reqs=reqs)
+        with self._lock:
+            for r in reqs:
+                self._pending["save"][r].append(task)
+        q = self._queues["save"]
+        q.put(task)
+        self.metrics.peak(queue_depth_max=q.qsize())
+        return True
+
+    def _save_flat(self, keys: list[str], regions: list[list[Region]], nbytes: int | None) -> None:
+        """``nbytes``: of all the objects, if known (saves a pass over the regions)."""
+        exists = self.guard.exists(keys)
+        if Status.OK in exists:
+            nbytes = None
+            present = [k for k, s in zip(keys, exists, strict=True) if s is Status.OK]
+            self.metrics.add(save_skipped_existing=len(present))
+            self._note_landed(present)
+            idx = [i for i, s in enumerate(exists) if s is not Status.OK]
+            keys, regions = [keys[i] for i in idx], [regions[i] for i in idx]
+            if not keys:
+                return
+        t0 = time.perf_counter()
+        statuses = self.guard.put(keys, regions)
+        dt = time.perf_counter() - t0
+        n = len(keys)
+        if statuses.count(Status.OK) == n:
+            if nbytes is None:
+                nbytes = sum(r.length for rs in regions for r in rs)
+            self.metrics.add(save_ops=n, save_bytes=nbytes, save_time_s=dt,
+                             save_failures=0, save_no_space=0)
+            self._note_landed(keys)
+            return
+        good = [i for i, s in enumerate(statuses) if s is Status.OK]
+        no_space = statuses.count(Status.NO_SPACE)
+        self.metrics.add(save_ops=len(good), save_bytes=sum(r.length for i in good for r in regions[i]),
+                         save_time_s=dt, save_failures=n - len(good) - no_space, save_no_space=no_space)
+        if good:
+            self._note_landed(keys[i] for i in good)
+
     def take_landed(self) -> list[str]:
         """Keys of saves that are in the pool since the last call: put OK, or
         found there already and skipped (for BlockStored events)."""
@@ -464,7 +669,8 @@ class TransferEngine:
     # -- bookkeeping ------------------------------------------------------------------
     def _task_timeout(self, tasks: Sequence[_Task]) -> float:
         # Each batch call is bounded by timeout_s; allow for every batch queued ahead.
-        return self.timeout_s * (2 + sum(1 + len(t.ops) // 64 for t in tasks)) + self.stagger_delay_s
+        return self.timeout_s * (2 + sum(1 + (len(t.step.keys) if t.step else len(t.ops)) // 64 for t in tasks)
+                                 ) + self.stagger_delay_s
 
     def _enqueue(self, task: _Task) -> None:
         with self._lock:
@@ -475,19 +681,21 @@ class TransferEngine:
 
     def _finish(self, task: _Task) -> None:
         with self._lock:
-            lst = self._pending[task.kind].get(task.req_id, [])
-            if task in lst:
-                lst.remove(task)
-            if task.kind == "load":
-                self._loaded.setdefault(task.req_id, set()).update(task.failed)
-                if not lst:
-                    self._pending["load"].pop(task.req_id, None)
-            else:
-                self._save_slots -= 1
+            for req_id in task.reqs or (task.req_id,):
+                lst = self._pending[task.kind].get(req_id, [])
+                if task in lst:
+                    lst.remove(task)
+                if task.kind == "load":
+                    self._loaded.setdefault(req_id, set()).update(task.failed)
+                    if not lst:
+                        self._pending["load"].pop(req_id, None)
+                else:
+                    self._save_slots -= 1
+                    if not lst:
+                        self._pending["save"].pop(req_id, None)
+                        self._saved.add(req_id)
+            if task.kind == "save":
                 self._save_bytes -= task.reserved
-                if not lst:
-                    self._pending["save"].pop(task.req_id, None)
-                    self._saved.add(task.req_id)
         task.done.set()
 
     def _end_save(self, task: _Task) -> None:
@@ -762,6 +970,12 @@ class TransferEngine:
     def _do_save(self, task: _Task) -> None:
         if task.before is not None:
             task.before()
+        if task.step is not None:
+            if self._late(task):
+                self.metrics.add(save_dropped_late=len(task.step.keys))
+            else:
+                self._save_flat(task.step.keys, task.step.regions, task.step.nbytes)
+            return
         ops = task.ops
         # Per-op outcomes matter only to layerwise saves sharing one exists (a chunk
         # is stored whole or dropped); plain saves skip that bookkeeping.

@@ -54,6 +54,10 @@ class _Tracker:
     group_ids: list[list[int]] = field(default_factory=list)
     saves_planned: bool = False
     loading_async: bool = False
+    #: tokens done below which _plan_save finds nothing new to save (a lower bound
+    #: from next_save_block and tail_saved_end; 0: unknown, ask it). Lets a step
+    #: skip every running request that has no new full chunk without a call.
+    save_at: int = 0
 
 
 class AscendStoreScheduler:
@@ -307,6 +311,7 @@ class AscendStoreScheduler:
             tr.tail_saved_end = b1
             b1 = b0
         tr.next_save_block = max(tr.next_save_block, b1)
+        tr.save_at = 0
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> AscendStoreMetadata:
         t0 = time.perf_counter()
@@ -351,6 +356,47 @@ class AscendStoreScheduler:
                 step[new.req_id] = Scheduled(tr.block_ids, new.num_computed_tokens, n)
             if save:
                 self._plan_save(meta, tr, new.num_computed_tokens + n)
+        if not stale and not self.ctx.hybrid:
+            self._plan_running(meta, so, save)
+        else:
+            self._plan_running_general(meta, so, save, stale, step)
+        if stale:
+            readers = self._stale.step(step)
+            if readers:
+                meta.stale_blocks = sorted(set(readers.values()))
+                log.warning("AscendStore: %d request(s) would read blocks of a failed load no request "
+                            "recomputed (vLLM recompute policy); reported as load errors to recompute them: %s",
+                            len(readers), sorted(readers))
+        for hook in self.request_params_hooks:
+            for tr in self._trackers.values():
+                params = hook(tr.request)
+                if params:
+                    meta.extensions[tr.request.request_id] = params
+        return meta
+
+    def _plan_running(self, meta: AscendStoreMetadata, so: SchedulerOutput, save: bool) -> None:
+        """Block lists and saves of the step's running requests. Every running
+        request, every step: the usual case (decode, no new full chunk) costs a dict
+        lookup, a block list update and one comparison (``_Tracker.save_at``)."""
+        cached = so.scheduled_cached_reqs
+        trackers, resumed, scheduled = self._trackers, cached.resumed_req_ids, so.num_scheduled_tokens
+        for req_id, new_ids, done in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
+                                         strict=True):
+            tr = trackers.get(req_id)
+            if tr is None:
+                continue
+            if req_id in resumed:
+                tr.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                tr.block_ids.extend(new_ids[0])
+            if save:
+                tokens = done + scheduled.get(req_id, 0)
+                if tokens >= tr.save_at:
+                    self._plan_save(meta, tr, tokens)
+
+    def _plan_running_general(self, meta: AscendStoreMetadata, so: SchedulerOutput, save: bool, stale: bool,
+                              step: dict[str, Scheduled]) -> None:
+        """``_plan_running`` for hybrid models and steps that track stale blocks."""
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tr = self._trackers.get(req_id)
@@ -372,21 +418,35 @@ class AscendStoreScheduler:
                 step[req_id] = Scheduled(tr.block_ids, cached.num_computed_tokens[i], n)
             if save:
                 self._plan_save(meta, tr, cached.num_computed_tokens[i] + n)
-        if stale:
-            readers = self._stale.step(step)
-            if readers:
-                meta.stale_blocks = sorted(set(readers.values()))
-                log.warning("AscendStore: %d request(s) would read blocks of a failed load no request "
-                            "recomputed (vLLM recompute policy); reported as load errors to recompute them: %s",
-                            len(readers), sorted(readers))
-        for hook in self.request_params_hooks:
-            for tr in self._trackers.values():
-                params = hook(tr.request)
-                if params:
-                    meta.extensions[tr.request.request_id] = params
-        return meta
 
     def _plan_save(self, meta: AscendStoreMetadata, tr: _Tracker, tokens_done: int) -> None:
+        try:
+            self._plan_save_now(meta, tr, tokens_done)
+        finally:
+            tr.save_at = self._save_at(tr)
+
+    def _save_at(self, tr: _Tracker) -> int:
+        """The fewest tokens done at which ``_plan_save_now`` can get past its fast
+        path, from the tracker as it is now: a new full chunk after
+        ``next_save_block``, or (partial chunks kept) the prompt's tail once the
+        prefill is done. A lower bound (block hashes may lag the tokens): below it
+        nothing is saved, at or above it ``_plan_save_now`` decides."""
+        if self.ctx.hybrid:
+            return 0
+        cfg = self.ctx.config
+        bs, prompt = self.ctx.block_size, tr.request.num_prompt_tokens
+        never = 1 << 62
+        # limit = tokens done, or with save_decode_cache off min(tokens done, prompt)
+        at = (tr.next_save_block + self.ctx.blocks_per_chunk) * bs
+        if not cfg.save_decode_cache and at > prompt:
+            at = never
+        if not cfg.discard_partial_chunks and not tr.tail_saved_end:
+            one = (tr.next_save_block + 1) * bs  # at least one new full block
+            if cfg.save_decode_cache or one <= prompt:
+                at = min(at, max(prompt, one))
+        return at
+
+    def _plan_save_now(self, meta: AscendStoreMetadata, tr: _Tracker, tokens_done: int) -> None:
         req = tr.request
         cfg = self.ctx.config
         limit = tokens_done if cfg.save_decode_cache else min(tokens_done, req.num_prompt_tokens)

