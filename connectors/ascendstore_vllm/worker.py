@@ -361,7 +361,9 @@ class AscendStoreWorker:
             plain = type(self)._after_load is AscendStoreWorker._after_load  # no per-request load callbacks
             sync = [spec for spec in loads if not spec.is_async] if plain else []
             if sync:
-                self._load_errors |= self.engine.load_step(self._step_objects(sync), deadline)
+                failed = self.engine.load_step(self._step_objects(sync), deadline)
+                self._load_errors |= failed
+                self._sync_failed |= failed
                 if len(sync) == len(loads):
                     return  # no async load: get_finished collects earlier ones
                 loads = [spec for spec in loads if spec.is_async]
