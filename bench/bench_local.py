@@ -30,7 +30,7 @@ interleaving all configurations round by round), and every figure reported is
 the median over the processes of each process's median, with the min..max and
 spread *across processes*; ``within_spread`` is the median of the processes'
 own round-to-round spreads. ``exists`` and the disk tier run once, in the
-parent. Bounded: about 1.5 minutes (``--quick``: about 20 s).
+parent. Bounded: about a minute (``--quick``: about 12 s).
 
     .venv/bin/python bench/bench_local.py [--json] [--quick] [--procs N] [--rounds N]
 """
