@@ -22,11 +22,17 @@ def test_bench_local_quick_reports_every_figure(tmp_path):
     for size in ("64KiB", "2048KiB"):
         r = res[f"dram_{size}"]
         for op in ("put", "get"):
-            for case in (f"{op} checksum off", f"{op} checksum on", f"{op}: memcpy", f"{op}: memcpy/obj",
-                         f"{op}: memcpy shm"):
+            for case in (
+                f"{op} checksum off",
+                f"{op} checksum on",
+                f"{op}: memcpy",
+                f"{op}: memcpy/obj",
+                f"{op}: memcpy shm",
+            ):
                 g = r["gbps"][case]
                 assert 0 < g["min"] <= g["median"] <= g["max"], (size, case)
-                assert g["n"] == res["rounds"]
+                assert g["n"] == res["procs"] == len(g["per_process"]), (size, case)
+                assert g["within_spread"] >= 0
             for ck in ("off", "on"):
                 for base in ("memcpy", "memcpy/obj", "memcpy shm"):
                     q = r["ratio"][f"{op} checksum {ck} / {base}"]
