@@ -70,3 +70,27 @@ def test_mla_on_cpu_is_refused_at_start_up(monkeypatch, use_mla: bool, cpu: bool
             compat.require_servable_kv(cfg)
     else:
         compat.require_servable_kv(cfg)
+
+
+@pytest.mark.parametrize(
+    ("async_sched", "policy", "load_async", "version", "warned"),
+    [
+        (True, "recompute", False, "0.33.0", True),
+        (True, "recompute", False, "0.30.0", True),
+        (True, "recompute", True, "0.33.0", False),  # async loads: vLLM caches nothing before they land
+        (True, "fail", False, "0.33.0", False),  # the request fails: no token from a discarded step
+        (False, "recompute", False, "0.33.0", False),
+        (True, "recompute", False, "0.34.0", False),  # outside the releases known to have the bug
+    ],
+)
+def test_sync_loads_under_async_scheduling_warn_of_vllm_45138(async_sched, policy, load_async, version, warned) -> None:
+    from types import SimpleNamespace
+
+    from ascendstore_vllm.compat import async_recompute_warning
+
+    cfg = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_sched),
+                          kv_transfer_config=SimpleNamespace(kv_load_failure_policy=policy))
+    msg = async_recompute_warning(cfg, load_async, version)
+    assert (msg is not None) == warned
+    if warned:
+        assert "#45138" in msg and '"load_async": true' in msg and "--no-async-scheduling" in msg

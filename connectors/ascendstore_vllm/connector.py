@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from ascendstore_vllm.compat import cache_hit_source
+from ascendstore_vllm.compat import async_recompute_warning, cache_hit_source
 from ascendstore_vllm.context import ConnectorContext
 from ascendstore_vllm.gr.stats import prefixed
 from ascendstore_vllm.gr.wiring import PLAN_KEY, GRFieldsIgnored, attach_gr, plan_of
@@ -68,6 +68,10 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
             from ascendstore_vllm.scheduler import AscendStoreScheduler
 
             self.scheduler = AscendStoreScheduler(self.ctx, kv_events=self.kv_events)
+            # Hybrid models always load asynchronously (see ConnectorContext.hybrid).
+            warning = async_recompute_warning(vllm_config, self.ctx.config.load_async or self.ctx.hybrid)
+            if warning:
+                log.warning(warning)
         else:
             from ascendstore_vllm.worker import AscendStoreWorker
 

@@ -167,3 +167,16 @@ def test_failed_load_aborted_before_its_output_is_back(mode):
     finally:
         eng.close()
         _shmpool.unlink(name)
+
+
+@pytest.mark.parametrize(("load_async", "warned"), [(False, True), (True, False)])
+def test_sync_loads_under_async_scheduling_warn_at_start_up(caplog, load_async: bool, warned: bool) -> None:
+    """Until vLLM fixes #45138 the operator is told, once, at start-up (scheduler side)."""
+    extra = {**_extra(f"w-{uuid.uuid4().hex[:8]}", "plain"), "load_async": load_async}
+    with caplog.at_level("WARNING", logger="ascendstore_vllm.connector"):
+        eng = EngineHarness(EngineSpec(extra_config=extra, async_scheduling=True))
+    try:
+        hits = [r for r in caplog.records if "#45138" in r.getMessage()]
+        assert len(hits) == (1 if warned else 0), [r.getMessage() for r in hits]
+    finally:
+        eng.close()
