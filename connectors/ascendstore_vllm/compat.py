@@ -159,7 +159,7 @@ def async_recompute_warning(vllm_config: Any, load_async: bool, version: str | N
     """The start-up warning for synchronous loads under async scheduling with the
     "recompute" policy on a vLLM whose recompute mishandles it; None when safe."""
     ktc = getattr(vllm_config, "kv_transfer_config", None)
-    if load_async or not getattr(vllm_config.scheduler_config, "async_scheduling", False):
+    if load_async or not getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False):
         return None
     if getattr(ktc, "kv_load_failure_policy", "fail") != "recompute":
         return None  # "fail" ends the request: no token from a discarded step
