@@ -229,6 +229,29 @@ class StepObjects:
     def nbytes(self) -> int:
         return sum(s[2] for s in self.spans)
 
+    @property
+    def shares_objects(self) -> bool:
+        """Two requests save the same object: the per-request path handles it
+        (the second finds the first's put)."""
+        return len(self.spans) > 1 and len(set(self.keys)) != len(self.keys)
+
+    def only(self, keep: Sequence[bool]) -> tuple[StepObjects, int]:
+        """The requests whose ``keep`` is true (one flag per span), and how many
+        objects the others had."""
+        idx: list[int] = []
+        spans: list[tuple[str, int, int]] = []
+        start = dropped = 0
+        for (req_id, end, nb), ok in zip(self.spans, keep, strict=True):
+            if ok:
+                idx.extend(range(start, end))
+                spans.append((req_id, len(idx), nb))
+            else:
+                dropped += end - start
+            start = end
+        part = StepObjects([self.keys[i] for i in idx], [self.regions[i] for i in idx],
+                           [self.blocks[i] for i in idx], spans)
+        return part, dropped
+
 
 class _ByteBudget:
     """Caps bytes in flight for one rank across both directions."""
@@ -552,35 +575,25 @@ class TransferEngine:
         is dropped), objects already pooled skipped, landed keys noted. False
         (nothing done): two requests save the same object in this step, which
         the per-request path handles (the second finds the first's put)."""
-        spans = step.spans
-        if len(spans) > 1 and len(set(step.keys)) != len(step.keys):
+        if step.shares_objects:
             return False
-        keys, regions = step.keys, step.regions
         # One inline save is admitted, runs and gives its room back before the
         # next: each request needs room beside the queued (async) saves only.
         with self._lock:
             slots, queued = self._save_slots, self._save_bytes
         admitted = [not slots or (slots + 1 <= self._save_slots_limit
                                   and not (self._save_bytes_limit and queued + nb > self._save_bytes_limit))
-                    for _, _, nb in spans]
-        nbytes: int | None = step.nbytes
+                    for _, _, nb in step.spans]
+        kept = step
         if not all(admitted):
-            nbytes = None
-            keep_idx: list[int] = []
-            start = 0
-            for (_, end, _), ok in zip(spans, admitted, strict=True):
-                if ok:
-                    keep_idx.extend(range(start, end))
-                else:
-                    self.metrics.add(save_dropped_queue_full=end - start)
-                start = end
-            keys, regions = [keys[i] for i in keep_idx], [regions[i] for i in keep_idx]
+            kept, dropped = step.only(admitted)
+            self.metrics.add(save_dropped_queue_full=dropped)
         try:
-            if keys:
-                self._save_flat(keys, regions, nbytes)
+            if kept.keys:
+                self._save_flat(kept.keys, kept.regions, kept.nbytes)
         finally:
             with self._lock:
-                self._saved.update(req_id for (req_id, _, _), ok in zip(spans, admitted, strict=True) if ok)
+                self._saved.update(req_id for req_id, _, _ in kept.spans)
         return True
 
     def submit_save_step(self, step: StepObjects, before: Hook | None = None) -> bool:
@@ -590,27 +603,16 @@ class TransferEngine:
         task ends, objects already pooled skipped; one exists and one put. False
         (nothing queued): two requests save the same object in this step (see
         ``save_step``)."""
-        spans = step.spans
-        if not spans:
+        if not step.spans:
             return True
-        if len(spans) > 1 and len(set(step.keys)) != len(step.keys):
+        if step.shares_objects:
             return False
-        admitted = [self.admit_save(1, nb) for _, _, nb in spans]
+        admitted = [self.admit_save(1, nb) for _, _, nb in step.spans]
         if not all(admitted):
-            idx: list[int] = []
-            kept: list[tuple[str, int, int]] = []
-            start = 0
-            for (req_id, end, nb), ok in zip(spans, admitted, strict=True):
-                if ok:
-                    idx.extend(range(start, end))
-                    kept.append((req_id, len(idx), nb))
-                else:
-                    self.metrics.add(save_dropped_queue_full=end - start)
-                start = end
-            if not kept:
+            step, dropped = step.only(admitted)
+            self.metrics.add(save_dropped_queue_full=dropped)
+            if not step.spans:
                 return True
-            step = StepObjects([step.keys[i] for i in idx], [step.regions[i] for i in idx],
-                               [step.blocks[i] for i in idx], kept)
         reqs = tuple(s[0] for s in step.spans)
         task = _Task("save", reqs[0], [], before=before, deadline=time.monotonic() + self.timeout_s,
                      reserved=step.nbytes, step=step, reqs=reqs)
