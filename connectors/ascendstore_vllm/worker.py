@@ -361,9 +361,7 @@ class AscendStoreWorker:
             plain = type(self)._after_load is AscendStoreWorker._after_load  # no per-request load callbacks
             sync = [spec for spec in loads if not spec.is_async] if plain else []
             if sync:
-                failed = self.engine.load_step(self._step_objects(sync), deadline)
-                self._load_errors |= failed
-                self._sync_failed |= failed
+                self._sync_load_failed(self.engine.load_step(self._step_objects(sync), deadline))
                 if len(sync) == len(loads):
                     return  # no async load: get_finished collects earlier ones
                 loads = [spec for spec in loads if spec.is_async]
@@ -375,10 +373,8 @@ class AscendStoreWorker:
                 self.engine.submit_load(spec.req_id, self._ops(spec, None), after=self._after_load(spec),
                                         deadline=time.monotonic() + self.ctx.config.timeout_ms / 1000)
             else:
-                failed = self.engine.load_now(spec.req_id, self._ops(spec, None), after=self._after_load(spec),
-                                              deadline=deadline)
-                self._load_errors |= failed
-                self._sync_failed |= failed
+                self._sync_load_failed(self.engine.load_now(spec.req_id, self._ops(spec, None),
+                                                            after=self._after_load(spec), deadline=deadline))
         # Sync loads are done; async ones are collected by get_finished.
         self._collect(self.engine.take_results())
 
@@ -391,9 +387,7 @@ class AscendStoreWorker:
         i = self.layout.index.get(layer_name)
         if i is None:
             return
-        failed = self.engine.wait_layer(i)
-        self._load_errors |= failed
-        self._sync_failed |= failed
+        self._sync_load_failed(self.engine.wait_layer(i))
 
     def save_kv_layer(self, layer_name: str) -> None:
         if not self.ctx.config.use_layerwise or self._meta is None or self.layout is None:
@@ -503,10 +497,10 @@ class AscendStoreWorker:
         for req_id, failed in res.loaded.items():
             if failed and self.ctx.hybrid and req_id in self._async_loads:
                 self._recv_failed.add(req_id)
-            else:
+            elif req_id in self._async_loads:
                 self._load_errors |= failed
-                if req_id not in self._async_loads:
-                    self._sync_failed |= failed
+            else:
+                self._sync_load_failed(failed)
             if req_id in self._async_loads:
                 self._recv_done.add(req_id)
 
@@ -541,6 +535,12 @@ class AscendStoreWorker:
         """Async loads of hybrid models that failed, among those get_finished just reported."""
         failed, self._failed_now = self._failed_now, set()
         return failed
+
+    def _sync_load_failed(self, failed: set[int]) -> None:
+        """Blocks of a synchronous or layerwise load that failed: reported with this
+        step (and, under async scheduling, the next: ``take_load_errors``)."""
+        self._load_errors |= failed
+        self._sync_failed |= failed
 
     def take_load_errors(self) -> set[int]:
         """Blocks to report as failed with this step's output.
