@@ -103,6 +103,120 @@ def test_results_racing_the_deadline_go_to_exactly_one_side() -> None:
     assert done and timed_out  # both sides of the race were exercised
 
 
+# -- inline calls (the backend's puts): on the caller's thread while the store looks healthy --
+
+
+def _where(g: NativeGuard, timeout_s: float = 1.0, delay: float = 0.0) -> tuple[Outcome, int | None]:
+    """Make an inline call; which thread ran it."""
+
+    def fn() -> int:
+        if delay:
+            time.sleep(delay)
+        return threading.get_ident()
+
+    return g.call(fn, timeout_s, inline=True)
+
+
+def test_an_inline_call_runs_on_the_callers_thread_and_only_when_asked() -> None:
+    g = NativeGuard(2)
+    me = threading.get_ident()
+    assert _where(g) == (Outcome.DONE, me)
+    assert g.inline_calls == 1
+    outcome, tid = g.call(threading.get_ident, 1.0)  # not asked for: a worker runs it
+    assert outcome is Outcome.DONE and tid != me
+    g.allow_inline = False  # the backend's inline_puts: false
+    outcome, tid = _where(g)
+    assert outcome is Outcome.DONE and tid != me
+    assert g.inline_calls == 1
+    assert g.close(1.0)
+
+
+def test_no_inline_call_while_a_call_is_still_on_a_worker() -> None:
+    # A call still running on a worker (slow or stuck) says the store is not healthy:
+    # an inline call then gets the worker path and its deadline.
+    g = NativeGuard(2)
+    release = threading.Event()
+    assert g.call(lambda: release.wait(5), 0.05) == (Outcome.TIMEOUT, None)  # stuck on a worker
+    t0 = time.monotonic()
+    assert g.call(lambda: time.sleep(0.5) or 1, 0.05, inline=True) == (Outcome.TIMEOUT, None)
+    assert time.monotonic() - t0 < 0.4  # bounded: it did not run here
+    release.set()
+    deadline = time.monotonic() + 5
+    while g.inflight:  # both worker calls end
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert _where(g) == (Outcome.DONE, threading.get_ident())  # healthy again: inline
+    assert g.close(1.0)
+
+
+def test_an_inline_call_past_its_deadline_answers_truly_then_calls_go_to_workers_for_a_while() -> None:
+    g = NativeGuard(2, inline_cooldown_s=0.3)
+    me = threading.get_ident()
+    t0 = time.monotonic()
+    outcome, tid = _where(g, timeout_s=0.05, delay=0.2)  # the client blocked past the deadline
+    assert time.monotonic() - t0 >= 0.2 and (outcome, tid) == (Outcome.DONE, me)  # its real result
+    assert g.inline_overruns == 1
+    t1 = time.monotonic()
+    assert g.call(lambda: time.sleep(0.5) or 1, 0.05, inline=True) == (Outcome.TIMEOUT, None)
+    assert time.monotonic() - t1 < 0.4  # cooling down: the deadline holds again
+    deadline = time.monotonic() + 5
+    while g.inflight or time.monotonic() < t1 + 0.35:  # the slow call ends, the cool-down passes
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert _where(g) == (Outcome.DONE, me)
+    assert g.close(1.0)
+
+
+def test_inline_calls_and_close() -> None:
+    g = NativeGuard(2)
+    started = threading.Event()
+    release = threading.Event()
+    results: list[tuple[Outcome, object]] = []
+
+    def long_inline() -> None:
+        results.append(g.call(lambda: started.set() or release.wait(5) and "written", 5.0, inline=True))
+
+    t = threading.Thread(target=long_inline)
+    t.start()
+    assert started.wait(5)
+    assert g.inflight == 1
+    assert g.close(0.1) is False  # close waits for the inline call as for a worker's
+    assert g.call(lambda: 1, 1.0, inline=True) == (Outcome.CLOSED, None)  # nothing starts after close
+    release.set()
+    t.join(5)
+    assert results == [(Outcome.DONE, "written")] and g.inflight == 0
+
+
+def test_inline_and_worker_calls_from_many_threads() -> None:
+    # Save threads' inline puts beside other threads' bounded calls (some past their
+    # deadline), random delays and pauses: every result reaches its own caller, an
+    # inline call never times out, nothing is left in flight.
+    g = NativeGuard(4, inline_cooldown_s=0.01)
+    errors: list[str] = []
+
+    def caller(seed: int, inline: bool) -> None:
+        rng = random.Random(seed)
+        for i in range(60):
+            d = rng.uniform(0, 0.003)
+            outcome, r = g.call(lambda v=(seed, i), d=d: time.sleep(d) or v, 1.0 if inline else 0.002,
+                                inline=inline)
+            if outcome is Outcome.DONE and r != (seed, i):
+                errors.append(f"{seed}/{i}: got {r}")
+            if inline and outcome is not Outcome.DONE:
+                errors.append(f"{seed}/{i}: inline call {outcome}")  # 1 s deadline on either path
+            if not inline:
+                time.sleep(rng.uniform(0, 0.006))  # idle windows, when inline calls may run inline
+
+    threads = [threading.Thread(target=caller, args=(s, s % 2 == 0)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors[:5]
+    assert g.close(5.0) and g.inflight == 0
+    assert g.inline_calls > 0 and g.timeouts > 0  # both paths were exercised
+
+
 @pytest.mark.parametrize(
     ("code", "status"),
     [(0, Status.OK), (4096, Status.OK), (-200, Status.NO_SPACE), (-600, Status.INVALID), (-704, Status.NOT_FOUND),

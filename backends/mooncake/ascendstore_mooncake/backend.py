@@ -139,7 +139,7 @@ class MooncakeBackend(Backend):
         if "setup_retries" in opts.model_fields_set or "MC_STORE_CLIENT_SETUP_RETRIES" not in os.environ:
             os.environ["MC_STORE_CLIENT_SETUP_RETRIES"] = str(opts.setup_retries)
 
-        self._guard = NativeGuard(opts.max_inflight_calls)
+        self._guard = NativeGuard(opts.max_inflight_calls, allow_inline=opts.inline_puts)
         self._close_lock = threading.Lock()
         self._exists_cache: dict[str, float] = {}
         self._cache_lock = threading.Lock()
@@ -226,7 +226,9 @@ class MooncakeBackend(Backend):
     def _key_ok(self, key: str) -> bool:
         return bool(key) and key.isascii() and len(key) <= self._caps.max_key_bytes
 
-    def _guarded(self, fn: Any, timeout_s: float, on_late: Any = None) -> tuple[Status | None, Any]:
+    def _guarded(
+        self, fn: Any, timeout_s: float, on_late: Any = None, *, inline: bool = False
+    ) -> tuple[Status | None, Any]:
         """Run fn(store) bounded; (None, result) on success else (status for every key, None).
 
         Each call first reads the client's cached master state (microseconds) so
@@ -241,7 +243,7 @@ class MooncakeBackend(Backend):
                 return _MASTER_DOWN
             return fn(store)
 
-        outcome, result = self._guard.call(task, timeout_s, on_late)
+        outcome, result = self._guard.call(task, timeout_s, on_late, inline=inline)
         if outcome is Outcome.CLOSED:
             return Status.UNAVAILABLE, None
         if outcome is Outcome.TIMEOUT:
@@ -402,8 +404,10 @@ class MooncakeBackend(Backend):
                 self._counters["late_put_cleanups"] += len(done)
                 self._guard.run_detached(lambda: self._store.batch_remove(done, True))
 
+        # Puts come from the engine's save thread, which nothing waits on: run there
+        # while the store is healthy (guard.py; options.inline_puts).
         status, codes = self._guarded(
-            lambda st: st.batch_put_from_multi_buffers(names, ptrs, sizes, cfg), timeout_s, late
+            lambda st: st.batch_put_from_multi_buffers(names, ptrs, sizes, cfg), timeout_s, late, inline=True
         )
         if status is None and len(send) == len(out) and type(codes) is list and codes.count(0) == len(out) == len(codes):
             return [Status.OK] * len(out)  # the usual answer, without a pass per key
@@ -515,6 +519,8 @@ class MooncakeBackend(Backend):
             "inflight_calls": self._guard.inflight,
             "timeouts": self._guard.timeouts,
             "late_completions": self._guard.late_completions,
+            "inline_calls": self._guard.inline_calls,
+            "inline_overruns": self._guard.inline_overruns,
             **self._counters,
         }
 

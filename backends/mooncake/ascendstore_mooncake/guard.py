@@ -1,11 +1,22 @@
 """Bounded calls into the native Mooncake client.
 
-The Mooncake client has no per-call timeout: with the master gone a put blocks
-~4 s, a set-up 4.4 s per retry, and a close ~5 s. Calls therefore run on a few
+The Mooncake client has no per-call timeout: with the master gone a call blocks
+~4.5 s, with the master stopped (alive, not answering) 30 s, reading from or
+writing to a stopped peer's segment 60 s; a set-up takes 4.4 s per retry and a
+close ~5 s (docs/benchmarking.md has the measurements). Calls therefore run on a few
 threads and the caller waits at most its deadline. A call the caller gave up on
 may still finish later; ``on_late`` lets the backend undo what such a call did.
 After ``close`` no native call starts again (Mooncake crashes when used after
 close or after a failed set-up).
+
+Handing a call to a thread costs the caller a sleep and a wake-up (~60 us of
+wall time per 32 x 64 KiB batch on a 2-core VM, a quarter of the call). A
+caller that may block for as long as the client does (the backend's puts,
+which only the engine's save thread makes) can ask for ``inline``: the call
+then runs on its own thread and is never abandoned. Inline calls stop for
+``inline_cooldown_s`` after one that overran its deadline anyway, and while
+any call is still on a worker (a slow or stuck native call: the store is not
+healthy); those go to the workers as usual.
 """
 
 from __future__ import annotations
@@ -54,9 +65,22 @@ class _Call:
 
 
 class NativeGuard:
-    def __init__(self, workers: int, name: str = "mooncake") -> None:
+    def __init__(
+        self,
+        workers: int,
+        name: str = "mooncake",
+        *,
+        allow_inline: bool = True,
+        inline_cooldown_s: float = 30.0,
+    ) -> None:
         self._max_workers = max(1, workers)
         self._name = name
+        #: calls made with ``inline=True`` may run on the caller's thread
+        self.allow_inline = allow_inline
+        self.inline_cooldown_s = inline_cooldown_s
+        self._inline_off_until = 0.0
+        self.inline_calls = 0
+        self.inline_overruns = 0
         self._queue: queue.SimpleQueue[_Call | object] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._idle_workers = 0
@@ -123,18 +147,50 @@ class NativeGuard:
             if late:
                 self._late(c)
 
+    def _inline_ok(self, now: float) -> bool:
+        if not self.allow_inline or now < self._inline_off_until:
+            return False
+        # No call of ours still on a worker: one there is slow, stuck, or a clean-up.
+        return self._idle_workers == len(self._threads)
+
+    def _call_inline(self, fn: Callable[[], T], timeout_s: float, started: float) -> tuple[Outcome, T | None]:
+        if not self._enter(None):
+            return Outcome.CLOSED, None
+        try:
+            result = fn()
+        finally:
+            self._leave()
+        self.inline_calls += 1
+        ended = time.monotonic()
+        if ended - started > timeout_s:
+            # Blocked past the deadline by the client itself: the answer is still true
+            # (the memory was never left behind), but the store is not healthy.
+            self.inline_overruns += 1
+            self._inline_off_until = ended + self.inline_cooldown_s
+            log.warning("mooncake: a native call ran %.2f s past its %.2f s deadline on the caller's thread; "
+                        "calls go to worker threads for %.0f s", ended - started - timeout_s, timeout_s,
+                        self.inline_cooldown_s)
+        return Outcome.DONE, result
+
     def call(
         self,
         fn: Callable[[], T],
         timeout_s: float,
         on_late: Callable[[T], None] | None = None,
+        *,
+        inline: bool = False,
     ) -> tuple[Outcome, T | None]:
-        """Run ``fn`` on a native thread; wait at most ``timeout_s``.
+        """Run ``fn`` on a native thread and wait at most ``timeout_s``; with
+        ``inline``, on the caller's thread while the store looks healthy (the
+        module doc), returning whenever the call does.
 
         A call still queued at its deadline never starts. One already running
         completes in the background; its result then goes to ``on_late``.
         """
-        deadline = time.monotonic() + max(0.0, timeout_s)
+        now = time.monotonic()
+        if inline and self._inline_ok(now):
+            return self._call_inline(fn, timeout_s, now)
+        deadline = now + max(0.0, timeout_s)
         c = _Call(fn, deadline, on_late, waited=True)
         if not self._submit(c):
             return Outcome.CLOSED, None

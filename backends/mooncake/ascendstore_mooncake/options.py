@@ -122,6 +122,12 @@ class MooncakeOptions(BackendOptions):
         1, ge=1, le=20, description="Mooncake connect attempts at set-up (~4.4 s each without a master)"
     )
     max_inflight_calls: int = Field(4, ge=1, le=64, description="threads running native calls")
+    inline_puts: Bool = Field(
+        True,
+        description="run puts on the calling thread (the engine's save thread) while the store is healthy, "
+        "saving a thread hand-off per call; a put then returns when Mooncake does (up to 60 s in a "
+        "stall) instead of at its deadline; gets, exists and removes always keep the deadline",
+    )
     close_timeout_s: float = Field(10.0, gt=0, description="bound on close()")
     force_remove: Bool = Field(
         True, description="remove objects even while a reader's lease is held (else: UNAVAILABLE)"
