@@ -113,6 +113,42 @@ def test_a_repeated_lookup_replaces_the_holding(pool):
     assert pool.pinned() == 0 and lk.pins.holders() == 0
 
 
+def test_a_waiting_request_renews_its_pins_only_when_half_the_lease_is_gone(pool):
+    # A waiting request is looked up every step; the same run needs no pin call
+    # (one per key) until half its lease has passed. Anything else pins again.
+    lk, kb = _lookup(pool, lease_s=10.0)
+    now = [1000.0]
+    lk.pins._clock = lambda: now[0]
+    calls: list[int] = []
+    pin = lk.guard.pin
+
+    def counting_pin(keys, lease_s, timeout_s=None):
+        calls.append(len(keys))
+        return pin(keys, lease_s, timeout_s)
+
+    lk.guard.pin = counting_pin  # type: ignore[method-assign]
+    hashes = [f"w{i}" for i in range(4)]
+    keys = _keys(kb, hashes)
+    assert _put(pool, keys[:3]) == [Status.OK] * 3
+    assert lk.prefix_hits("", hashes, 0, "r") == 3 and calls == [3]
+    for _ in range(5):  # later steps, same run, lease well within
+        now[0] += 0.9
+        assert lk.prefix_hits("", hashes, 0, "r") == 3
+    assert calls == [3] and pool.pinned() == 3
+    now[0] += 0.6  # 5.1 s of the 10 s lease gone: renew
+    assert lk.prefix_hits("", hashes, 0, "r") == 3 and calls == [3, 3]
+    assert lk.prefix_hits("", hashes, 0, "r") == 3 and calls == [3, 3]
+    assert lk.prefix_hits("", hashes, 0, "other") == 3 and calls == [3, 3, 3]  # another request: its own pins
+    assert _put(pool, keys[3:]) == [Status.OK]  # the run grew: pin again
+    assert lk.prefix_hits("", hashes, 0, "r") == 4 and calls[-1] == 4
+    assert lk.prefix_hits("", hashes, 1, "r") == 4 and calls[-1] == 3  # from an offset: another run
+    lk.pins.keep("r", 1)  # the load covers less than counted: no longer the counted run
+    n = len(calls)
+    assert lk.prefix_hits("", hashes, 1, "r") == 4 and len(calls) == n + 1
+    lk.pins.release(["r", "other"])
+    assert pool.pinned() == 0 and lk.pins.holders() == 0
+
+
 def test_a_chunk_gone_between_scan_and_pin_is_not_counted(pool):
     """The scan said 3; the pin finds chunk 1 gone: the request counts 1 chunk."""
     kb = KeyBuilder("fp", RankPart())

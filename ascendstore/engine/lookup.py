@@ -63,10 +63,13 @@ class PoolLookup:
             self.pins.release(req_id)
             return hits
         counted = chunk_hashes[start:hits]
+        run = (tenant, start, counted[0], counted[-1], hits - start)
+        if self.pins.holds(req_id, run):
+            return hits  # looked up again, same run, lease well within: still pinned
         if isinstance(counted[0], bytes):
             counted = [h.hex() for h in counted]  # type: ignore[union-attr]
         flat, width = self.keys.lookup_keys_flat(tenant, counted)  # type: ignore[arg-type]
-        return start + self.pins.pin(req_id, flat, width)
+        return start + self.pins.pin(req_id, flat, width, run)
 
     def _prefix_hits(self, tenant: str, chunk_hashes: Sequence[str] | Sequence[bytes], start: int) -> int:
         todo = chunk_hashes[start:] if start else chunk_hashes

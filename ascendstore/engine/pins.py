@@ -37,6 +37,9 @@ class _Holding:
     keys: list[str]  # chunk-major: ``width`` keys per chunk
     width: int
     expires: float
+    #: what the lookup counted, (tenant, start, first chunk hash, last chunk hash, chunks):
+    #: chained hashes name their whole prefix, so this names the run without its keys
+    run: tuple | None = None
 
 
 class LookupPins:
@@ -59,17 +62,27 @@ class LookupPins:
     def supported(guard: BackendGuard | None) -> bool:
         return guard is not None and bool(guard.capabilities.pins)
 
-    def pin(self, req_id: str, keys: Sequence[str], width: int) -> int:
+    def holds(self, req_id: str, run: tuple) -> bool:
+        """``req_id`` already holds exactly this run with at least half its lease left.
+
+        A waiting request is looked up again every step; while its lookup finds the
+        same run it needs no new pin call (one per key: as much again as the scan,
+        a master round trip on Mooncake) until half the lease is gone."""
+        h = self._held.get(req_id)  # a dict read: no lock (a stale answer only costs a renewal)
+        return h is not None and h.run == run and h.expires - self._clock() > self.lease_s / 2
+
+    def pin(self, req_id: str, keys: Sequence[str], width: int, run: tuple | None = None) -> int:
         """Pin the keys of the chunks a lookup counted (``width`` keys per chunk,
         in chunk order) for ``req_id``; returns how many leading chunks are now
         pinned (every key OK). A chunk gone since the lookup ends the run: the
         request counts only what is held. Replaces the request's earlier holding
-        (a waiting request is looked up again every step: its lease is renewed)."""
+        (a waiting request is looked up again every step: its lease is renewed).
+        ``run`` names what was counted (``holds``)."""
         with self._lock:
             self.expire()
-            return self._pin(req_id, keys, width)
+            return self._pin(req_id, keys, width, run)
 
-    def _pin(self, req_id: str, keys: Sequence[str], width: int) -> int:
+    def _pin(self, req_id: str, keys: Sequence[str], width: int, run: tuple | None = None) -> int:
         statuses = self.guard.pin(keys, self.lease_s, self.timeout_s) if keys else []
         if statuses.count(Status.OK) == len(statuses):
             bad = len(statuses)
@@ -77,6 +90,8 @@ class LookupPins:
             bad = next(i for i, s in enumerate(statuses) if s is not Status.OK)
         chunks = bad // width if width else 0
         kept = list(keys[: chunks * width])
+        if chunks * width != len(keys):
+            run = None  # less than counted is held: not the run the lookup named
         # Found and pinned, but past the counted run: not this request's to hold.
         extra = [k for k, s in zip(keys[chunks * width :], statuses[chunks * width :], strict=False)
                  if s is Status.OK]
@@ -85,11 +100,12 @@ class LookupPins:
             if old is not None and old.keys == kept and not extra:
                 # A waiting request looked up again, same chunks: renew, nothing to recount.
                 old.expires = self._clock() + self.lease_s
+                old.run = run
                 return chunks
             self._held.pop(req_id, None)
             self._refs.update(kept)
             if kept:
-                self._held[req_id] = _Holding(kept, width, self._clock() + self.lease_s)
+                self._held[req_id] = _Holding(kept, width, self._clock() + self.lease_s, run)
             drop = self._decref(old.keys if old else [])
             drop += [k for k in extra if not self._refs.get(k)]
             self._unpin(drop)
@@ -102,6 +118,7 @@ class LookupPins:
             if h is None or chunks * h.width >= len(h.keys):
                 return
             rest, h.keys = h.keys[chunks * h.width :], h.keys[: chunks * h.width]
+            h.run = None  # no longer what a lookup counted
             if not h.keys:
                 del self._held[req_id]
             drop = self._decref(rest)
