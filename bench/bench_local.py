@@ -30,7 +30,7 @@ interleaving all configurations round by round), and every figure reported is
 the median over the processes of each process's median, with the min..max and
 spread *across processes*; ``within_spread`` is the median of the processes'
 own round-to-round spreads. ``exists`` and the disk tier run once, in the
-parent. Bounded: about a minute (``--quick``: about 12 s).
+parent. Bounded: about 80 s (``--quick``: about 12 s).
 
     .venv/bin/python bench/bench_local.py [--json] [--quick] [--procs N] [--rounds N]
 """
@@ -287,14 +287,14 @@ def _across(runs: list[dict]) -> dict:
 def main(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of a table"),
     quick: bool = typer.Option(False, "--quick", help="fewer processes, fewer and shorter rounds"),
-    procs: int = typer.Option(0, help="fresh processes for the DRAM part (0: 7, --quick: 2)"),
+    procs: int = typer.Option(0, help="fresh processes for the DRAM part (0: 9, --quick: 2)"),
     rounds: int = typer.Option(0, help="interleaved rounds per process (0: 5, --quick: 3)"),
     min_s: float = typer.Option(0.0, "--min-s", help="seconds per sample (0: 0.04, --quick: 0.03)"),
     page_size: int = typer.Option(64 * KiB, help="pool page size in bytes"),
     child: bool = typer.Option(False, "--child", hidden=True, help="one process of the DRAM part, as JSON"),
 ) -> None:
     rounds = rounds or (3 if quick else 5)
-    procs = procs or (2 if quick else 7)
+    procs = procs or (2 if quick else 9)
     min_s = min_s or (0.03 if quick else 0.04)
     if child:
         print(json.dumps(_dram_all(rounds, min_s, page_size)))

@@ -10,7 +10,11 @@ median of ``--calls`` calls, ratios per round:
    baseline: the raw backend's batched ``exists`` of the same keys, prebuilt.
    Paths: ``scan`` (the backend's native prefix scan, hex hashes), ``scan/bytes``
    (raw hashes, as the scheduler passes them), ``exists`` (the generic path:
-   key strings + one batched exists + first miss in Python).
+   key strings + one batched exists + first miss in Python). This part runs in
+   ``--procs`` fresh processes one after the other (so does part 2) and each
+   figure is the median over processes: within a process the scan's ratio holds to ~1%, but its level
+   moves by up to ~15% from one process to the next (as the local pool's copies
+   do, see bench_local.py), more than two single-process runs may differ by.
 2. The connector's whole ``get_num_new_matched_tokens`` for a real vLLM
    ``Request`` of 128k tokens (16-token blocks, 128-token chunks: the hash chain
    of 8192 blocks), through vLLM's scheduler-side connector, against the raw
@@ -31,11 +35,14 @@ import hashlib
 import json
 import os
 import random
+import statistics
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable
 
 import numpy as np
-from harness import Stat, env_info, interleave, per_call_us, ratios, stat
+from harness import Stat, clock_ns, env_info, interleave, per_call_us, ratios, stat
 from rich.console import Console
 from rich.table import Table
 
@@ -115,6 +122,49 @@ def part_prompts(args, backend, guard, keys: KeyBuilder, region) -> list[dict]: 
     return rows
 
 
+def _across(runs: list[dict], fixed: tuple[str, ...]) -> dict:
+    """One result from several processes: ``fixed`` fields from the first; every
+    ``{"median": ...}`` figure under "us"/"ratio*" as the median over processes
+    (min..max across them), keeping every process's median and the median spread
+    within a process."""
+    first = runs[0]
+    out = {k: first[k] for k in fixed}
+    for section in [k for k in first if k == "us" or k.startswith("ratio")]:
+        if "median" in first[section]:  # a single figure
+            meds = [r[section]["median"] for r in runs]
+            within = statistics.median(r[section]["spread"] for r in runs)
+            out[section] = {**stat(meds).as_dict(), "per_process": meds, "within_spread": within}
+            continue
+        out[section] = {}
+        for name in first[section]:
+            meds = [r[section][name]["median"] for r in runs]
+            within = statistics.median(r[section][name]["spread"] for r in runs)
+            out[section][name] = {**stat(meds).as_dict(), "per_process": meds, "within_spread": within}
+    return out
+
+
+def _in_processes(args) -> tuple[list[dict], dict | None]:
+    """The prompt rows and the scheduler part in ``args.procs`` fresh interpreters."""
+    argv = list(sys.argv[1:])
+    if "--json" in argv:  # the children print to stdout
+        i = argv.index("--json")
+        del argv[i : i + 2]
+    argv = [a for a in argv if not a.startswith("--json=")]
+    runs = []
+    for _ in range(args.procs):
+        out = subprocess.run([sys.executable, __file__, *argv, "--child"], capture_output=True, text=True,
+                             check=False)
+        if out.returncode:
+            raise SystemExit(f"bench_lookup child failed ({out.returncode}):\n{out.stderr}")
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    rows = [_across([r["rows"][i] for r in runs], ("tokens", "chunks", "keys", "scenario"))
+            for i in range(len(runs[0]["rows"]))]
+    sched = None
+    if runs[0]["scheduler"] is not None:
+        sched = _across([r["scheduler"] for r in runs], ("tokens", "blocks", "keys", "pins"))
+    return rows, sched
+
+
 def part_scheduler(args) -> dict:  # type: ignore[no-untyped-def]
     """get_num_new_matched_tokens of a real 128k-token vLLM Request."""
     from ascendstore_vllm.testing import EngineHarness, EngineSpec
@@ -146,17 +196,37 @@ def part_scheduler(args) -> dict:  # type: ignore[no-untyped-def]
         _put_all(backend, flat, [Region(payload.ctypes.data, 64)])
         got, _ = conn.get_num_new_matched_tokens(req, 0)
         assert got == tokens - 1, got  # every chunk hit; vLLM computes the last token
+        pins = sched._lookup.pins
+
+        def first_lookup() -> float:
+            # A request's first lookup, which also pins what it counts (pins are on by
+            # default): its earlier holding is let go first, untimed.
+            out = []
+            for _ in range(args.calls):
+                if pins is not None:
+                    pins.release(req.request_id)
+                t0 = clock_ns()
+                conn.get_num_new_matched_tokens(req, 0)
+                out.append((clock_ns() - t0) / 1e3)
+            return statistics.median(out)
+
         cases = {
             "raw": lambda: per_call_us(lambda: backend.exists(flat, 5.0), args.calls),
+            # later lookups of a waiting request: same run, pins held (renewed at half lease)
             "matched_tokens": lambda: per_call_us(lambda: conn.get_num_new_matched_tokens(req, 0), args.calls),
+            "first_lookup": first_lookup,
         }
         s = interleave(cases, args.rounds)
+        if pins is not None:
+            pins.release(req.request_id)
         return {
             "tokens": tokens,
             "blocks": len(req.block_hashes),
             "keys": len(flat),
+            "pins": pins is not None,
             "us": {k: stat(v).as_dict() for k, v in s.items()},
             "ratio": ratios(s["matched_tokens"], s["raw"]).as_dict(),
+            "ratio_first": ratios(s["first_lookup"], s["raw"]).as_dict(),
         }
     finally:
         eng.close()
@@ -234,11 +304,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=PROMPTS[-1])
     ap.add_argument("--holes", type=float, nargs="*", default=[0.0, 0.001, 0.01, 0.05])
     ap.add_argument("--hole-trials", type=int, default=8)
+    ap.add_argument("--procs", type=int, default=0, help="fresh processes for the prompt rows (0: 7, --quick: 1)")
     ap.add_argument("--quick", action="store_true", help="fewer rounds and calls")
     ap.add_argument("--json", help="also write the results as JSON here")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.calls, args.hole_trials = 3, 7, 4
+    args.procs = args.procs or (1 if args.quick else 7)
 
     env0 = env_info()
     ctx = BackendContext(role="scheduler", instance_id=f"bench-lookup-{uuid.uuid4().hex[:8]}", timeout_s=5.0)
@@ -251,12 +324,22 @@ def main() -> None:
     payload = np.zeros(64, dtype=np.uint8)
     region = [Region(payload.ctypes.data, payload.nbytes)]
     native = hasattr(backend, "prefix_run")
+    with_sched = args.backend == "local" and not args.layers
     try:
-        rows = part_prompts(args, backend, guard, keys, region)
-        holes = part_holes(args, backend, guard, keys, region) if native else []
+        if args.child:
+            rows = part_prompts(args, backend, guard, keys, region)
+        elif args.procs > 1:
+            rows, sched = _in_processes(args)
+        else:
+            rows = part_prompts(args, backend, guard, keys, region)
+        holes = part_holes(args, backend, guard, keys, region) if native and not args.child else []
     finally:
         guard.close()
-    sched = part_scheduler(args) if args.backend == "local" and not args.layers else None
+    if args.child or args.procs <= 1:
+        sched = part_scheduler(args) if with_sched else None
+    if args.child:
+        print(json.dumps({"rows": rows, "scheduler": sched}))
+        return
     out = {"rows": rows, "scheduler": sched, "holes": holes, "env_before": env0, "env_after": env_info(),
            "rounds": args.rounds, "calls": args.calls}
 
@@ -264,7 +347,7 @@ def main() -> None:
     table = Table(
         title=f"lookup vs raw exists ({args.backend}, {args.block_size}-token chunks"
         + (f", {args.layers} layers" if args.layers else "")
-        + f"; us, median (min..max) ±half-spread over {args.rounds} interleaved rounds; ratio per round)"
+        + f"; us, median (min..max) over {args.procs} processes x {args.rounds} interleaved rounds; ratio per round)"
     )
     for col in ("tokens", "keys", "scenario", "raw exists us", "scan us", "scan ÷ raw", "scan/bytes ÷ raw",
                 "exists path us", "exists path ÷ raw"):
@@ -277,8 +360,10 @@ def main() -> None:
     if sched:
         con.print(
             f"get_num_new_matched_tokens, {sched['tokens']:,}-token vLLM Request ({sched['blocks']} block hashes, "
-            f"{sched['keys']} keys): {_fmt(sched['us']['matched_tokens'])} us; raw exists of its keys "
-            f"{_fmt(sched['us']['raw'])} us; ratio {_fmt(sched['ratio'], 2)} (goal <= 1.2)"
+            f"{sched['keys']} keys), pins {'on' if sched['pins'] else 'off'}: raw exists of its keys "
+            f"{_fmt(sched['us']['raw'])} us; a waiting request's lookup {_fmt(sched['us']['matched_tokens'])} us, "
+            f"ratio {_fmt(sched['ratio'], 2)} (goal <= 1.2); its first lookup (scan + pin) "
+            f"{_fmt(sched['us']['first_lookup'])} us, ratio {_fmt(sched['ratio_first'], 2)}"
         )
     if holes:
         t = Table(title="linear scan vs galloping search, prompt stored then a fraction of chunks removed at random")

@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,10 @@ from ascendstore.contract import BackendContext, Region, Status
 from ascendstore.registry import create_backend
 
 KiB, MiB = 1 << 10, 1 << 20
-BATCH = 32
+BATCH = 32  # objects per call
+BATCHES = 15  # timed calls per sample (their median)
+#: the deadline the connector gives a call by default (timeout_ms 5000)
+TIMEOUT_S = 5.0
 app = typer.Typer(add_completion=False)
 
 
@@ -92,14 +96,28 @@ def _measure(size: int, rounds: int, address: str) -> dict:
         n = next(counter)
         return [f"bench/{size}/{n}/{i}" for i in range(BATCH)]
 
+    guard = backend._guard
+    inline_allowed = guard.allow_inline
+
     def put_ours() -> float:
         keys = fresh()
         t0 = time.perf_counter()
-        st = backend.put(keys, regions, 10.0)
+        st = backend.put(keys, regions, TIMEOUT_S)
         dt = time.perf_counter() - t0
         assert st == [Status.OK] * BATCH, st
         raw.batch_remove(keys, True)
         return dt
+
+    def threaded(fn: Callable[[], float]) -> Callable[[], float]:
+        # The same call with every native call handed to a worker thread (no inline calls).
+        def run() -> float:
+            guard.allow_inline = False
+            try:
+                return fn()
+            finally:
+                guard.allow_inline = inline_allowed
+
+        return run
 
     def put_raw() -> float:
         keys = fresh()
@@ -115,7 +133,7 @@ def _measure(size: int, rounds: int, address: str) -> dict:
 
     def get_ours() -> float:
         t0 = time.perf_counter()
-        st = backend.get(stored, dregions, 10.0)
+        st = backend.get(stored, dregions, TIMEOUT_S)
         dt = time.perf_counter() - t0
         assert st == [Status.OK] * BATCH, st
         return dt
@@ -127,14 +145,19 @@ def _measure(size: int, rounds: int, address: str) -> dict:
         assert list(rc) == [size] * BATCH, rc
         return dt
 
-    # One sample: GB/s from the median of 3 timed batches; the four cases interleave.
-    cases = {k: (lambda f=f: total / statistics.median(f() for _ in range(3)) / 1e9)
-             for k, f in (("put_raw", put_raw), ("put_ours", put_ours), ("get_raw", get_raw), ("get_ours", get_ours))}
-    s = interleave(cases, rounds)
+    # One sample: GB/s from the median of BATCHES timed batches; the six cases interleave.
+    fns = {"put_raw": put_raw, "put_ours": put_ours, "put_thread": threaded(put_ours),
+           "get_raw": get_raw, "get_ours": get_ours, "get_thread": threaded(get_ours)}
+    cases = {k: (lambda f=f: total / statistics.median(f() for _ in range(BATCHES)) / 1e9) for k, f in fns.items()}
+    calls0 = guard.inline_calls
+    s = interleave(cases, rounds, warmup=2)
     assert np.array_equal(dst, src)  # what we timed was real data movement
+    inline_calls = guard.inline_calls - calls0
     backend.close()
     return {"gbps": {k: stat(v).as_dict() for k, v in s.items()},
-            "ratio": {op: ratios(s[f"{op}_ours"], s[f"{op}_raw"]).as_dict() for op in ("put", "get")}}
+            "ratio": {op: ratios(s[f"{op}_ours"], s[f"{op}_raw"]).as_dict() for op in ("put", "get")},
+            "ratio_thread": {op: ratios(s[f"{op}_thread"], s[f"{op}_raw"]).as_dict() for op in ("put", "get")},
+            "inline_puts": inline_allowed, "inline_calls": inline_calls}
 
 
 def _fmt(d: dict, digits: int = 2) -> str:
@@ -143,7 +166,7 @@ def _fmt(d: dict, digits: int = 2) -> str:
 
 @app.command()
 def main(
-    rounds: int = typer.Option(9, min=1, max=50, help="interleaved rounds per size"),
+    rounds: int = typer.Option(11, min=1, max=50, help="interleaved rounds per size"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
     if not _in_private_netns():
@@ -164,17 +187,19 @@ def main(
         print(json.dumps({"sizes": {str(k): v for k, v in results.items()}, "rounds": rounds,
                           "env_before": env0, "env_after": env_info()}, indent=2))
         return
-    table = Table(title=f"MooncakeBackend vs raw Mooncake client (batch {BATCH}, single process); GB/s median "
-                  f"[min..max] ±half-spread over {rounds} interleaved rounds; ratio per round")
-    for col in ("object", "put raw GB/s", "put ours GB/s", "put ratio", "get raw GB/s", "get ours GB/s", "get ratio"):
+    table = Table(title=f"MooncakeBackend vs raw Mooncake client (batch {BATCH}, single process, deadline "
+                  f"{TIMEOUT_S:g} s); GB/s median [min..max] ±half-spread over {rounds} interleaved rounds; "
+                  "ratios per round; 'thread': every native call handed to a worker thread")
+    for col in ("object", "op", "raw GB/s", "ours GB/s", "ours ÷ raw", "thread ÷ raw", "inline calls"):
         table.add_column(col, justify="right")
     for size, r in results.items():
         g = r["gbps"]
-        table.add_row(
-            f"{size // KiB} KiB" if size < MiB else f"{size // MiB} MiB",
-            _fmt(g["put_raw"]), _fmt(g["put_ours"]), _fmt(r["ratio"]["put"]),
-            _fmt(g["get_raw"]), _fmt(g["get_ours"]), _fmt(r["ratio"]["get"]),
-        )
+        for op in ("put", "get"):
+            table.add_row(
+                f"{size // KiB} KiB" if size < MiB else f"{size // MiB} MiB", op,
+                _fmt(g[f"{op}_raw"]), _fmt(g[f"{op}_ours"]), _fmt(r["ratio"][op]), _fmt(r["ratio_thread"][op]),
+                str(r["inline_calls"]) if op == "put" else "",
+            )
     con = Console(width=160)
     con.print(table)
     con.print(f"load average before {env0['loadavg']}, after {env_info()['loadavg']}")

@@ -69,6 +69,9 @@ if CLOCK_NAME not in ("cpu", "wall"):
 #: seconds (float) and nanoseconds (int) of the chosen clock
 clock = time.process_time if CLOCK_NAME == "cpu" else time.perf_counter
 clock_ns = time.process_time_ns if CLOCK_NAME == "cpu" else time.perf_counter_ns
+#: the calling thread's CPU time (wall with BENCH_CLOCK=wall): for work that runs on
+#: one thread while other threads of the same process (a worker's save thread) run too
+thread_clock = time.thread_time if CLOCK_NAME == "cpu" else time.perf_counter
 
 
 def rate(fn: Callable[[], int], min_s: float) -> float:

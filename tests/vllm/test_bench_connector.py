@@ -1,0 +1,34 @@
+"""bench/bench_connector.py runs and reports every figure it promises (speed itself
+is never asserted in tests: the numbers are for people to read)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_connector_quick_reports_every_figure():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_connector.py"), "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "BENCH_CLOCK": "cpu"},
+        check=True,
+    )
+    res = json.loads(out.stdout)
+    assert len(res["transfer"]) == 4
+    for t in res["transfer"]:
+        for op in ("put", "get"):
+            for case in (f"conn {op}", f"raw {op}"):
+                g = t["gbps"][case]
+                assert 0 < g["min"] <= g["median"] <= g["max"], (t["objects"], case)
+            assert t["ratio"][op]["median"] > 0
+    s = res["scheduler"]
+    assert s["running"] == 256 and s["engines"] == 3 and s["clock"] == "thread cpu"
+    # One ratio per engine instance; each is connector time over schedule() time.
+    assert s["ratio"]["n"] == 3 and 0 < s["ratio"]["min"] <= s["ratio"]["median"] <= s["ratio"]["max"] < 1
+    assert 0 < s["connector_ms"] < s["schedule_ms"]

@@ -1,0 +1,31 @@
+"""bench/bench_lookup.py runs in several processes and reports every figure it
+promises (speed itself is never asserted in tests)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_lookup_in_two_processes_reports_every_figure(tmp_path):
+    out = tmp_path / "lookup.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_lookup.py"), "--quick", "--procs", "2", "--max-tokens", "16384",
+         "--holes", "0.01", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    res = json.loads(out.read_text())
+    assert [(r["tokens"], r["scenario"]) for r in res["rows"]] == [
+        (t, s) for t in (4096, 16384) for s in ("hit", "half", "miss")]
+    for r in res["rows"]:
+        for name in ("scan", "scan/bytes", "exists"):
+            q = r["ratio"][name]
+            assert q["n"] == 2 == len(q["per_process"]) and 0 < q["min"] <= q["median"] <= q["max"], (r, name)
+            assert q["within_spread"] >= 0
+    s = res["scheduler"]
+    assert s["tokens"] == 16384 and s["keys"] == 128 and s["pins"] is True
+    for name in ("ratio", "ratio_first"):
+        assert s[name]["n"] == 2 and s[name]["median"] > 0
+    assert len(res["holes"]) == 1
