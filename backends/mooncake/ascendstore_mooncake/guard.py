@@ -151,6 +151,7 @@ class NativeGuard:
         if not self.allow_inline or now < self._inline_off_until:
             return False
         # No call of ours still on a worker: one there is slow, stuck, or a clean-up.
+        # Read without the lock: a stale view only sends one call down the other path.
         return self._idle_workers == len(self._threads)
 
     def _call_inline(self, fn: Callable[[], T], timeout_s: float, started: float) -> tuple[Outcome, T | None]:
@@ -160,13 +161,16 @@ class NativeGuard:
             result = fn()
         finally:
             self._leave()
-        self.inline_calls += 1
         ended = time.monotonic()
-        if ended - started > timeout_s:
-            # Blocked past the deadline by the client itself: the answer is still true
-            # (the memory was never left behind), but the store is not healthy.
-            self.inline_overruns += 1
-            self._inline_off_until = ended + self.inline_cooldown_s
+        overran = ended - started > timeout_s
+        with self._lock:  # callers on several threads
+            self.inline_calls += 1
+            if overran:
+                # Blocked past the deadline by the client itself: the answer is still true
+                # (the memory was never left behind), but the store is not healthy.
+                self.inline_overruns += 1
+                self._inline_off_until = ended + self.inline_cooldown_s
+        if overran:
             log.warning("mooncake: a native call ran %.2f s past its %.2f s deadline on the caller's thread; "
                         "calls go to worker threads for %.0f s", ended - started - timeout_s, timeout_s,
                         self.inline_cooldown_s)
