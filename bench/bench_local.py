@@ -40,7 +40,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,7 +49,7 @@ from collections.abc import Callable
 
 import numpy as np
 import typer
-from harness import Stat, env_info, interleave, rate, ratios, stat
+from harness import Stat, across_processes, env_info, interleave, rate, ratios, stat
 from rich.console import Console
 from rich.table import Table
 
@@ -273,13 +272,7 @@ def _across(runs: list[dict]) -> dict:
         for section, figs in first.items():
             out[key][section] = {}
             for name in figs:
-                meds = [r[key][section][name]["median"] for r in runs]
-                within = statistics.median(r[key][section][name]["spread"] for r in runs)
-                out[key][section][name] = {
-                    **stat(meds).as_dict(),
-                    "per_process": meds,
-                    "within_spread": within,
-                }
+                out[key][section][name] = across_processes([r[key][section][name] for r in runs])
     return out
 
 

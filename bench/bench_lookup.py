@@ -42,7 +42,7 @@ import uuid
 from collections.abc import Callable
 
 import numpy as np
-from harness import Stat, clock_ns, env_info, interleave, per_call_us, ratios, stat
+from harness import Stat, across_processes, clock_ns, env_info, interleave, per_call_us, ratios, stat
 from rich.console import Console
 from rich.table import Table
 
@@ -131,15 +131,9 @@ def _across(runs: list[dict], fixed: tuple[str, ...]) -> dict:
     out = {k: first[k] for k in fixed}
     for section in [k for k in first if k == "us" or k.startswith("ratio")]:
         if "median" in first[section]:  # a single figure
-            meds = [r[section]["median"] for r in runs]
-            within = statistics.median(r[section]["spread"] for r in runs)
-            out[section] = {**stat(meds).as_dict(), "per_process": meds, "within_spread": within}
-            continue
-        out[section] = {}
-        for name in first[section]:
-            meds = [r[section][name]["median"] for r in runs]
-            within = statistics.median(r[section][name]["spread"] for r in runs)
-            out[section][name] = {**stat(meds).as_dict(), "per_process": meds, "within_spread": within}
+            out[section] = across_processes([r[section] for r in runs])
+        else:
+            out[section] = {name: across_processes([r[section][name] for r in runs]) for name in first[section]}
     return out
 
 

@@ -58,6 +58,16 @@ def stat(samples: Iterable[float]) -> Stat:
     return Stat(statistics.median(xs), min(xs), max(xs), len(xs))
 
 
+def across_processes(figures: list[dict]) -> dict:
+    """One figure measured in several fresh processes (each a ``stat(...).as_dict()``):
+    the median of the process medians with min..max and spread across processes,
+    every process's median (``per_process``) and the median spread within a
+    process (``within_spread``)."""
+    meds = [f["median"] for f in figures]
+    within = statistics.median(f["spread"] for f in figures)
+    return {**stat(meds).as_dict(), "per_process": meds, "within_spread": within}
+
+
 def ratios(num: list[float], den: list[float]) -> Stat:
     """Per-round num/den (samples of the same round), summarised."""
     return stat(a / b for a, b in zip(num, den, strict=True) if b)

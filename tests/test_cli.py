@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import tempfile
 import uuid
 from importlib.metadata import EntryPoint
 
 import numpy as np
 import pytest
 import typer
+from health_helpers import private_health_dir  # noqa: F401 (autouse fixture)
 from typer.testing import CliRunner
 
 from ascendstore.bench.cost import PrefillCostModel
@@ -23,16 +23,6 @@ from ascendstore.keys import PoolKey, RankPart, UserKey, tenant_id
 from ascendstore.registry import create_backend
 
 runner = CliRunner()
-
-
-@pytest.fixture(autouse=True)
-def private_health_dir(monkeypatch):
-    """doctor reads every engine's health file in $VLLM_RPC_BASE_PATH (else the temp
-    dir), host-wide: on a long-lived CI host files other jobs left there must not
-    decide this test. Short (not tmp_path): lookup sockets live there too."""
-    with tempfile.TemporaryDirectory(prefix="as-rpc-") as d:
-        monkeypatch.setenv("VLLM_RPC_BASE_PATH", d)
-        yield d
 
 
 @pytest.fixture(autouse=True)

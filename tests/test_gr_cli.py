@@ -5,24 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tempfile
 import uuid
 
 import numpy as np
-import pytest
+from health_helpers import private_health_dir  # noqa: F401 (autouse fixture)
 from test_gr_store import FakeDevice, history, make_store
 
 from ascendstore.registry import create_backend
-
-
-@pytest.fixture(autouse=True)
-def private_health_dir(monkeypatch):
-    """doctor reads every engine's health file in $VLLM_RPC_BASE_PATH (else the temp
-    dir), host-wide: on a long-lived CI host files other jobs left there must not
-    decide this test. Short (not tmp_path): lookup sockets live there too."""
-    with tempfile.TemporaryDirectory(prefix="as-rpc-") as d:
-        monkeypatch.setenv("VLLM_RPC_BASE_PATH", d)
-        yield d
 
 
 def test_pool_rm_user_removes_every_object_of_that_user_only():
