@@ -113,20 +113,42 @@ def test_a_repeated_lookup_replaces_the_holding(pool):
     assert pool.pinned() == 0 and lk.pins.holders() == 0
 
 
-def test_a_waiting_request_renews_its_pins_only_when_half_the_lease_is_gone(pool):
+def _count_pins(lk: PoolLookup) -> list[int]:
+    """Chunks pinned by each pin the lookup takes: a pinning scan (the local pool's
+    native pins) or a backend pin() of the counted keys (every other backend)."""
+    calls: list[int] = []
+    if lk.pins is not None and lk.pins.by_run:
+        scan = lk._scan
+
+        def counting_scan(prefixes, suffixes, timeout_s, gallop=False, lease_s=0.0):
+            got = scan(prefixes, suffixes, timeout_s, gallop=gallop, lease_s=lease_s)
+            if lease_s:
+                calls.append(got[1])
+            return got
+
+        lk._scan = counting_scan  # type: ignore[method-assign]
+    else:
+        pin = lk.guard.pin
+
+        def counting_pin(keys, lease_s, timeout_s=None):
+            calls.append(len(keys))
+            return pin(keys, lease_s, timeout_s)
+
+        lk.guard.pin = counting_pin  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.mark.parametrize("by_run", [True, False], ids=["native-scan-pins", "key-pins"])
+def test_a_waiting_request_renews_its_pins_only_when_half_the_lease_is_gone(pool, by_run):
     # A waiting request is looked up every step; the same run needs no pin call
     # (one per key) until half its lease has passed. Anything else pins again.
     lk, kb = _lookup(pool, lease_s=10.0)
+    if not by_run:  # the ledger of a backend without a pinning scan: pins key strings
+        lk.pins = LookupPins(lk.guard, 10.0, T)
+    assert lk.pins.by_run is by_run
     now = [1000.0]
     lk.pins._clock = lambda: now[0]
-    calls: list[int] = []
-    pin = lk.guard.pin
-
-    def counting_pin(keys, lease_s, timeout_s=None):
-        calls.append(len(keys))
-        return pin(keys, lease_s, timeout_s)
-
-    lk.guard.pin = counting_pin  # type: ignore[method-assign]
+    calls = _count_pins(lk)
     hashes = [f"w{i}" for i in range(4)]
     keys = _keys(kb, hashes)
     assert _put(pool, keys[:3]) == [Status.OK] * 3
@@ -218,3 +240,28 @@ def test_threads_pinning_and_releasing_leave_no_pin(pool):
     lk.pins.release(lk.pins.requests())
     assert lk.pins.held_keys() == 0
     assert pool.pinned() == 0
+
+
+def test_the_local_pools_lookup_pins_in_its_scan(pool, monkeypatch):
+    """On the local pool a lookup's pins are taken by the scan itself: no backend
+    pin() and no key string per object (what made a request's first lookup cost
+    3.4x the raw exists of a 131k-token prompt); the count is what is pinned."""
+    lk, kb = _lookup(pool)
+    assert lk.pins.by_run
+    hashes = [bytes([i]) * 32 for i in range(6)]
+    assert _put(pool, _keys(kb, [h.hex() for h in hashes[:4]])) == [Status.OK] * 4
+
+    def refused(*a, **k):
+        raise AssertionError("the lookup took the key-string path")
+
+    lk.guard.pin = refused  # type: ignore[method-assign]
+    monkeypatch.setattr(KeyBuilder, "lookup_keys_flat", refused)
+    assert lk.prefix_hits("", hashes, 0, "r") == 4
+    assert lk.prefix_hits("", hashes[:3], 0, "s") == 3  # shares three chunks with r
+    assert pool.pinned() == 4 and lk.pins.held_keys() == 4
+    lk.pins.release("r")
+    assert pool.pinned() == 3, "chunks s still holds were unpinned with r"
+    lk.pins.keep("s", 1)
+    assert pool.pinned() == 1
+    lk.pins.release("s")
+    assert pool.pinned() == 0 and lk.pins.held_keys() == 0

@@ -6,6 +6,7 @@ an LRU order that evicts a prefix from its tail, and fail like the batch calls."
 from __future__ import annotations
 
 import random
+import time
 import uuid
 
 import numpy as np
@@ -144,3 +145,110 @@ def test_pool_lookup_uses_the_scan(make_pool):
     finally:
         be.test_hooks().delay(0)
         guard.close()
+
+
+@pytest.mark.parametrize("gallop", [False, True], ids=["linear", "gallop"])
+def test_a_pinning_scan_pins_exactly_what_it_counts(make_pool, gallop):
+    """prefix_run with a lease pins the chunks it counts in the same pass: the
+    count is what survives eviction, a hole ends the run even when galloping
+    (without a lease gallop overcounts past it), and unpin_run lets go."""
+    be = make_pool(capacity=512 * KiB, page_size=4 * KiB, max_keys=1024)
+    prefixes = ["k@0@", "k@1@"]
+    hexes = [f"{i:04x}" for i in range(40)]
+    store(be, [p + h for h in hexes for p in prefixes])
+    assert be.remove([prefixes[1] + hexes[25]], T) == [Status.OK]  # chunk 25 is half gone
+    if gallop:
+        assert be.prefix_run(prefixes, hexes, T, gallop=True)[1] > 25  # probes jump the hole
+    st, hits, _ = be.prefix_run(prefixes, hexes, T, gallop=gallop, lease_s=30.0)
+    assert (st, hits) == (Status.OK, 25)
+    assert be.pinned() == 25 * len(prefixes), "pinned other than the objects of the chunks counted"
+    # Four times the pool's capacity: everything unpinned goes, the counted run stays.
+    for i in range(512):
+        store(be, [f"fill-{i}"])
+    counted = [p + h for h in hexes[:25] for p in prefixes]
+    assert be.exists(counted, T) == [Status.OK] * len(counted)
+    assert be.exists([prefixes[0] + hexes[30]], T) == [Status.NOT_FOUND]
+    assert be.unpin_run(prefixes, hexes, T) is Status.OK  # absent keys are skipped
+    assert be.pinned() == 0
+    assert be.unpin_run(prefixes, [bytes.fromhex(h) for h in hexes[:2]], T) is Status.OK  # raw hashes too
+    with pytest.raises(ValueError):
+        be.prefix_run(prefixes, hexes, T, lease_s=-1.0)
+    with pytest.raises(ValueError):
+        be.prefix_run(prefixes, hexes, T, lease_s=7200.0)
+    with pytest.raises(ValueError):
+        be.unpin_run([], hexes, T)
+    be.close()
+    assert be.unpin_run(prefixes, hexes, T) is Status.UNAVAILABLE
+
+
+def test_a_chunk_removed_mid_scan_ends_the_pinned_run(make_pool):
+    """A linear scan drops the lock between its blocks (16, 64, 256, ... chunks).
+    A chunk of an earlier block removed meanwhile (its entry freed or reused)
+    must end the run there, not be counted with a stale entry pinned."""
+    import threading
+
+    be = make_pool()
+    hexes = [f"{i:04x}" for i in range(48)]
+    keys = ["r@" + h for h in hexes]
+    store(be, keys)
+    be.test_hooks().stall_scans(0.3)
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(be.prefix_run(["r@"], hexes, T, lease_s=30.0)))
+    t.start()
+    time.sleep(0.1)  # the scan saw chunks 0-15 and waits before the next block
+    assert be.remove([keys[3]], T) == [Status.OK]
+    store(be, ["other"])  # may take the freed entry
+    t.join()
+    be.test_hooks().stall_scans(0)
+    st, hits, _ = got[0]
+    assert (st, hits) == (Status.OK, 3), f"counted {hits} chunks; chunk 3 went during the scan"
+    assert be.pinned() == 3
+    assert be.unpin_run(["r@"], hexes, T) is Status.OK and be.pinned() == 0
+
+
+def test_a_pinning_scan_racing_eviction_counts_only_what_it_pinned(make_pool):
+    """A linear scan drops the lock between its blocks (16, 64, 256, ... chunks);
+    a chunk evicted in between, its entry reused, must end the run rather than be
+    counted with another object's entry pinned. A writer keeps the pool evicting
+    (and re-saves the prompt's missing chunks) while lookups pin: after each,
+    every counted object must still be there (pins stop eviction)."""
+    import threading
+
+    be = make_pool(capacity=256 * KiB, page_size=4 * KiB, max_keys=512)
+    hexes = [f"{i:04x}" for i in range(48)]
+    keys = ["r@" + h for h in hexes]
+    store(be, keys)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        rng = random.Random(3)
+        i = 0
+        try:
+            while not stop.is_set():
+                i += 1
+                be.put([f"fill-{i}"], [REGION], T)
+                if i % 8 == 0:
+                    missing = [k for k, s in zip(keys, be.exists(keys, T), strict=True) if s is Status.NOT_FOUND]
+                    if missing:
+                        be.put(missing[: rng.randint(1, len(missing))], [REGION] * len(missing), T)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    counted_total = 0
+    try:
+        for _ in range(1500):
+            st, hits, _ = be.prefix_run(["r@"], hexes, T, lease_s=30.0)
+            assert st is Status.OK
+            got = be.exists(keys[:hits], T)
+            assert got == [Status.OK] * hits, f"counted {hits} chunks, but {got.count(Status.NOT_FOUND)} are gone"
+            counted_total += hits
+            assert be.unpin_run(["r@"], hexes[:hits], T) is Status.OK
+    finally:
+        stop.set()
+        t.join()
+    assert not errors
+    assert counted_total > 0
+    assert be.pinned() == 0

@@ -2,7 +2,10 @@
 
 A backend with a native prefix scan (``prefix_run``, e.g. the embedded ``local``
 pool) answers in one call that builds the keys, probes them and stops at the
-first miss; any other backend gets one batched ``exists`` of every key.
+first miss; any other backend gets one batched ``exists`` of every key. With
+pins on, a scan that can pin (``prefix_run(..., lease_s=)`` and ``unpin_run``)
+pins what it counts in that same call; other backends get a ``pin`` of the
+counted keys after the lookup.
 """
 
 from __future__ import annotations
@@ -39,12 +42,18 @@ class PoolLookup:
         self.probe = probe
         #: pins what a lookup with a request id counted (backends declaring ``pins``;
         #: None: no pins). The owner releases them when the request's load ends.
-        self.pins: LookupPins | None = (
-            LookupPins(guard, pin_lease_s, timeout_s) if pin_lease_s > 0 and LookupPins.supported(guard) else None
-        )
         # In-process and bounded (the guard calls it inline): no thread hand-off needed.
         scan = getattr(guard.backend, "prefix_run", None)
         self._scan = scan if callable(scan) and guard.backend.capabilities.bounded_calls else None
+        # A scan that can also pin (and a way to let go of such pins) takes a
+        # request's pins in the same native pass: no key string per object.
+        unpin_run = getattr(guard.backend, "unpin_run", None)
+        self._unpin_run = unpin_run if self._scan is not None and callable(unpin_run) else None
+        self.pins: LookupPins | None = (
+            LookupPins(guard, pin_lease_s, timeout_s, unpin_run=self._unpin_chunks if self._unpin_run else None)
+            if pin_lease_s > 0 and LookupPins.supported(guard)
+            else None
+        )
 
     def prefix_hits(
         self, tenant: str, chunk_hashes: Sequence[str] | Sequence[bytes], start: int = 0, req_id: str | None = None
@@ -56,9 +65,11 @@ class PoolLookup:
         before ``start`` are already on the device and are not queried. With
         ``req_id`` and pins on, the counted chunks are pinned for that request
         (the count is what is pinned) until ``pins.release(req_id)``."""
-        hits = self._prefix_hits(tenant, chunk_hashes, start)
         if self.pins is None or req_id is None:
-            return hits
+            return self._prefix_hits(tenant, chunk_hashes, start)
+        if self.pins.by_run:
+            return self._pinned_scan(tenant, chunk_hashes, start, req_id)
+        hits = self._prefix_hits(tenant, chunk_hashes, start)
         if hits <= start:
             self.pins.release(req_id)
             return hits
@@ -71,7 +82,44 @@ class PoolLookup:
         flat, width = self.keys.lookup_keys_flat(tenant, counted)  # type: ignore[arg-type]
         return start + self.pins.pin(req_id, flat, width, run)
 
-    def _prefix_hits(self, tenant: str, chunk_hashes: Sequence[str] | Sequence[bytes], start: int) -> int:
+    def _pinned_scan(self, tenant: str, chunk_hashes: Sequence[str] | Sequence[bytes], start: int,
+                     req_id: str) -> int:
+        """The scan pins what it counts, unless the request already holds the run
+        it finds with half its lease left (a waiting request is looked up every step)."""
+        pins = self.pins
+        assert pins is not None
+        if pins.fresh(req_id):
+            hits = self._prefix_hits(tenant, chunk_hashes, start)
+            if hits <= start:
+                pins.release(req_id)
+                return hits
+            counted = chunk_hashes[start:hits]
+            if pins.holds(req_id, (tenant, start, counted[0], counted[-1], hits - start)):
+                return hits  # looked up again, same run, lease well within: still pinned
+        # The ledger's lock spans the pinning scan and its record, as it spans pin():
+        # a release on another thread must not unpin a chunk between the two.
+        with pins.pinning():
+            hits = self._prefix_hits(tenant, chunk_hashes, start, pins.lease_s)
+            if hits <= start:
+                pins.release(req_id)
+                return hits
+            counted = chunk_hashes[start:hits]
+            pins.took(req_id, tenant, counted, (tenant, start, counted[0], counted[-1], hits - start))
+        return hits
+
+    def _unpin_chunks(self, tenant: str, chunk_hashes: Sequence) -> None:
+        assert self._unpin_run is not None
+        try:
+            status = self._unpin_run(self.keys.lookup_keys(tenant, ""), chunk_hashes, self.timeout_s)
+        except Exception:
+            log.exception("backend unpin of %d chunks raised; their pins end with the lease", len(chunk_hashes))
+            return
+        if status is not Status.OK:
+            log.debug("unpin of %d chunks: %s; their pins end with the lease", len(chunk_hashes), status)
+
+    def _prefix_hits(
+        self, tenant: str, chunk_hashes: Sequence[str] | Sequence[bytes], start: int, lease_s: float = 0.0
+    ) -> int:
         todo = chunk_hashes[start:] if start else chunk_hashes
         if not todo:
             return start
@@ -81,7 +129,7 @@ class PoolLookup:
             self.guard.metrics.add(lookups=1, lookups_skipped_degraded=1)
             return start
         if self._scan is not None:
-            return start + self._scan_hits(tenant, todo)
+            return start + self._scan_hits(tenant, todo, lease_s)
         if isinstance(todo[0], bytes):
             todo = [h.hex() for h in todo]  # type: ignore[union-attr]
         # every chunk has the same objects (ranks x layers): ``width`` keys each
@@ -95,11 +143,12 @@ class PoolLookup:
         first_missing = next((i for i, s in enumerate(statuses) if s is not Status.OK), len(statuses))
         return start + first_missing // width
 
-    def _scan_hits(self, tenant: str, todo: Sequence[str] | Sequence[bytes]) -> int:
+    def _scan_hits(self, tenant: str, todo: Sequence[str] | Sequence[bytes], lease_s: float = 0.0) -> int:
         prefixes = self.keys.lookup_keys(tenant, "")  # every object's key is prefix + chunk hash
         m = self.guard.metrics
+        pin = {"lease_s": lease_s} if lease_s > 0 else {}
         try:
-            status, hits, probes = self._scan(prefixes, todo, self.timeout_s, gallop=self.probe == "gallop")
+            status, hits, probes = self._scan(prefixes, todo, self.timeout_s, gallop=self.probe == "gallop", **pin)
         except Exception:
             log.exception("backend prefix scan of %d chunks raised; reporting a miss", len(todo))
             m.add(lookups=1, lookup_errors=1, unavailable=len(todo) * len(prefixes))

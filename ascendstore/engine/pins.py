@@ -32,35 +32,60 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+#: where a holding's units live: None for key strings (every backend's pin/unpin),
+#: else the tenant whose key prefixes complete the chunk hashes (a native scan's pins)
+Scope = str | None
+#: unpin_run(tenant, chunk hashes): drop this process's pins of those chunks' objects
+UnpinRun = Callable[[str, Sequence], object]
+
+
 @dataclass
 class _Holding:
-    keys: list[str]  # chunk-major: ``width`` keys per chunk
+    #: what is pinned, chunk-major: ``width`` key strings per chunk; or, for pins
+    #: a native scan took (``scope`` set), one chunk hash per chunk (width 1)
+    units: list
     width: int
     expires: float
     #: what the lookup counted, (tenant, start, first chunk hash, last chunk hash, chunks):
     #: chained hashes name their whole prefix, so this names the run without its keys
     run: tuple | None = None
+    scope: Scope = None
 
 
 class LookupPins:
-    """Per-request pins of one process's backend client (thread-safe)."""
+    """Per-request pins of one process's backend client (thread-safe).
+
+    Two ways in: ``pin`` pins key strings through the backend's ``pin``; with
+    ``unpin_run`` (a backend whose prefix scan pins what it counts, e.g. the
+    local pool), the scan has already pinned and ``took`` records the chunk
+    hashes, so a lookup builds no key string at all. A holding is counted per
+    unit (key, or chunk hash of a tenant) across requests either way."""
 
     def __init__(
-        self, guard: BackendGuard, lease_s: float, timeout_s: float, *, clock: Callable[[], float] = time.monotonic
+        self, guard: BackendGuard, lease_s: float, timeout_s: float, *, unpin_run: UnpinRun | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if lease_s <= 0:
             raise ValueError("lease_s must be > 0")
         self.guard = guard
         self.lease_s = lease_s
         self.timeout_s = timeout_s
+        self._unpin_run = unpin_run
         self._clock = clock
         self._lock = threading.RLock()  # held across the backend calls too: one ledger update at a time
         self._held: dict[str, _Holding] = {}
-        self._refs: Counter[str] = Counter()
+        #: holders per unit, per scope. Chunk hashes are counted as given (bytes or
+        #: hex str): one connector passes one form; a mix would only unpin early.
+        self._refs: dict[Scope, Counter] = {}
 
     @staticmethod
     def supported(guard: BackendGuard | None) -> bool:
         return guard is not None and bool(guard.capabilities.pins)
+
+    @property
+    def by_run(self) -> bool:
+        """Pins are taken by the backend's native scan and let go by ``unpin_run``."""
+        return self._unpin_run is not None
 
     def holds(self, req_id: str, run: tuple) -> bool:
         """``req_id`` already holds exactly this run with at least half its lease left.
@@ -70,6 +95,16 @@ class LookupPins:
         a master round trip on Mooncake) until half the lease is gone."""
         h = self._held.get(req_id)  # a dict read: no lock (a stale answer only costs a renewal)
         return h is not None and h.run == run and h.expires - self._clock() > self.lease_s / 2
+
+    def pinning(self) -> threading.RLock:
+        """The ledger's lock, for a caller whose backend call takes pins the
+        ledger then records (``took``): nothing is unpinned in between."""
+        return self._lock
+
+    def fresh(self, req_id: str) -> bool:
+        """``req_id`` holds a run with at least half its lease left (whatever run)."""
+        h = self._held.get(req_id)
+        return h is not None and h.run is not None and h.expires - self._clock() > self.lease_s / 2
 
     def pin(self, req_id: str, keys: Sequence[str], width: int, run: tuple | None = None) -> int:
         """Pin the keys of the chunks a lookup counted (``width`` keys per chunk,
@@ -97,31 +132,52 @@ class LookupPins:
                  if s is Status.OK]
         with self._lock:
             old = self._held.get(req_id)
-            if old is not None and old.keys == kept and not extra:
+            if old is not None and old.scope is None and old.units == kept and not extra:
                 # A waiting request looked up again, same chunks: renew, nothing to recount.
                 old.expires = self._clock() + self.lease_s
                 old.run = run
                 return chunks
-            self._held.pop(req_id, None)
-            self._refs.update(kept)
-            if kept:
-                self._held[req_id] = _Holding(kept, width, self._clock() + self.lease_s, run)
-            drop = self._decref(old.keys if old else [])
-            drop += [k for k in extra if not self._refs.get(k)]
-            self._unpin(drop)
+            self._replace(req_id, _Holding(kept, width, self._clock() + self.lease_s, run) if kept else None,
+                          extra)
         return chunks
+
+    def took(self, req_id: str, tenant: str, hashes: Sequence, run: tuple) -> None:
+        """The native scan pinned ``hashes`` (the chunks it counted, of ``tenant``)
+        for ``req_id``: hold them in its place (replacing its earlier holding)."""
+        with self._lock:
+            self.expire()
+            old = self._held.get(req_id)
+            if old is not None and old.scope == tenant and old.run == run:
+                old.expires = self._clock() + self.lease_s  # the same run, pinned again
+                return
+            self._replace(req_id, _Holding(list(hashes), 1, self._clock() + self.lease_s, run, tenant))
+
+    def _replace(self, req_id: str, new: _Holding | None, extra: Sequence = ()) -> None:
+        # Count the new holding before letting go of the old: units in both stay pinned.
+        old = self._held.pop(req_id, None)
+        if new is not None:
+            self._refs.setdefault(new.scope, Counter()).update(new.units)
+            self._held[req_id] = new
+        drop: dict[Scope, list] = {}
+        if old is not None:
+            self._decref(old.scope, old.units, drop)
+        if extra:
+            refs = self._refs.get(None, {})
+            drop.setdefault(None, []).extend(k for k in extra if not refs.get(k))
+        self._unpin(drop)
 
     def keep(self, req_id: str, chunks: int) -> None:
         """The load covers only the first ``chunks`` of what was pinned: let go of the rest."""
         with self._lock:
             h = self._held.get(req_id)
-            if h is None or chunks * h.width >= len(h.keys):
+            if h is None or chunks * h.width >= len(h.units):
                 return
-            rest, h.keys = h.keys[chunks * h.width :], h.keys[: chunks * h.width]
+            rest, h.units = h.units[chunks * h.width :], h.units[: chunks * h.width]
             h.run = None  # no longer what a lookup counted
-            if not h.keys:
+            if not h.units:
                 del self._held[req_id]
-            drop = self._decref(rest)
+            drop: dict[Scope, list] = {}
+            self._decref(h.scope, rest, drop)
             self._unpin(drop)
 
     def release(self, req_ids: Sequence[str] | str) -> None:
@@ -129,11 +185,11 @@ class LookupPins:
         if isinstance(req_ids, str):
             req_ids = [req_ids]
         with self._lock:
-            drop: list[str] = []
+            drop: dict[Scope, list] = {}
             for r in req_ids:
                 h = self._held.pop(r, None)
                 if h is not None:
-                    drop += self._decref(h.keys)
+                    self._decref(h.scope, h.units, drop)
             self._unpin(drop)
 
     def expire(self) -> None:
@@ -141,9 +197,10 @@ class LookupPins:
         now = self._clock()
         with self._lock:
             stale = [r for r, h in self._held.items() if h.expires <= now]
-            drop: list[str] = []
+            drop: dict[Scope, list] = {}
             for r in stale:
-                drop += self._decref(self._held.pop(r).keys)
+                h = self._held.pop(r)
+                self._decref(h.scope, h.units, drop)
             if stale:
                 log.debug("lookup pins of %d requests ran out of lease before their loads", len(stale))
             # Unpin anyway: a pin taken later than the ledger's clock says may still hold.
@@ -154,8 +211,9 @@ class LookupPins:
             return len(self._held)
 
     def held_keys(self) -> int:
+        """Distinct units held: keys, or chunks for a native scan's pins."""
         with self._lock:
-            return len(self._refs)
+            return sum(len(c) for c in self._refs.values())
 
     def requests(self) -> list[str]:
         with self._lock:
@@ -163,23 +221,32 @@ class LookupPins:
 
     def close(self) -> None:
         with self._lock:
-            keys = list(self._refs)
+            drop = {scope: list(c) for scope, c in self._refs.items()}
             self._held.clear()
             self._refs.clear()
-            self._unpin(keys)
+            self._unpin(drop)
 
-    def _decref(self, keys: Sequence[str]) -> list[str]:
-        drop = []
-        for k in keys:
-            n = self._refs[k] - 1
+    def _decref(self, scope: Scope, units: Sequence, drop: dict[Scope, list]) -> None:
+        refs = self._refs.get(scope)
+        if refs is None:
+            return
+        out = drop.setdefault(scope, [])
+        for k in units:
+            n = refs[k] - 1
             if n <= 0:
-                del self._refs[k]
-                drop.append(k)
+                del refs[k]
+                out.append(k)
             else:
-                self._refs[k] = n
-        return drop
+                refs[k] = n
+        if not refs:
+            del self._refs[scope]
 
-    def _unpin(self, keys: list[str]) -> None:
-        if keys:
-            # Bounded like every call; a failed unpin leaves a pin that its lease ends.
-            self.guard.unpin(keys, self.timeout_s)
+    def _unpin(self, drop: dict[Scope, list]) -> None:
+        # Bounded like every call; a failed unpin leaves a pin that its lease ends.
+        for scope, units in drop.items():
+            if not units:
+                continue
+            if scope is None:
+                self.guard.unpin(units, self.timeout_s)
+            elif self._unpin_run is not None:
+                self._unpin_run(scope, units)

@@ -174,6 +174,7 @@ typedef struct Pool {
     _Atomic double delay_s;       /* test hook: every data call of this handle acts slow */
     _Atomic double spill_stall_s; /* test hook: pause between spill writes and finalizing them */
     _Atomic double put_stall_s;   /* test hook: pause every put between reserving and copying in */
+    _Atomic double scan_stall_s;  /* test hook: pause a linear prefix scan between its blocks (unlocked) */
     _Atomic int busy;
     _Atomic int closed;
     pthread_mutex_t local; /* guards the fields below (threads of this process) */
@@ -1526,6 +1527,29 @@ static void op_exists(Pool *p, batch_t *b, double deadline) {
     pool_unlock(p);
 }
 
+/* Pin one entry until ``until`` (ns): this process's pin, or shared when another
+ * live process pins it too (a shared pin ends with its lease only). Lock held. */
+static void pin_entry(Pool *p, entry_t *e, uint64_t now, uint64_t until) {
+    if (e->pin_slot == PIN_SHARED && e->pin_until > now) {
+        /* stays shared: ends with its lease only */
+    } else if (e->pin_slot != p->slot && entry_pinned(p, e, now)) {
+        e->pin_slot = PIN_SHARED; /* another live process pins it too */
+    } else {
+        e->pin_slot = p->slot;
+        if (e->pin_until <= now) e->pin_until = 0;
+    }
+    if (until > e->pin_until) e->pin_until = until;
+    p->h->c_pins++;
+}
+
+/* Drop this process's pin of one entry (a shared pin ends with its lease). Lock held. */
+static void unpin_entry(Pool *p, entry_t *e) {
+    if (e->pin_slot == p->slot) {
+        e->pin_until = 0;
+        e->pin_slot = 0;
+    }
+}
+
 /* exists + pin: every key found is kept from eviction until now + lease
  * (b->arg ns) or until this process dies, whichever comes first. */
 static void op_pin(Pool *p, batch_t *b, double deadline) {
@@ -1540,18 +1564,8 @@ static void op_pin(Pool *p, batch_t *b, double deadline) {
             it->status = ST_NOT_FOUND;
             continue;
         }
-        entry_t *e = &ENT(p)[x];
         touch(p, x);
-        if (e->pin_slot == PIN_SHARED && e->pin_until > now) {
-            /* stays shared: ends with its lease only */
-        } else if (e->pin_slot != p->slot && entry_pinned(p, e, now)) {
-            e->pin_slot = PIN_SHARED; /* another live process pins it too */
-        } else {
-            e->pin_slot = p->slot;
-            if (e->pin_until <= now) e->pin_until = 0;
-        }
-        if (until > e->pin_until) e->pin_until = until;
-        p->h->c_pins++;
+        pin_entry(p, &ENT(p)[x], now, until);
         it->status = ST_OK;
     }
     pool_unlock(p);
@@ -1569,11 +1583,7 @@ static void op_unpin(Pool *p, batch_t *b, double deadline) {
             it->status = ST_NOT_FOUND;
             continue;
         }
-        entry_t *e = &ENT(p)[x];
-        if (e->pin_slot == p->slot) {
-            e->pin_until = 0;
-            e->pin_slot = 0;
-        }
+        unpin_entry(p, &ENT(p)[x]);
         it->status = ST_OK;
     }
     pool_unlock(p);
@@ -2604,7 +2614,7 @@ static PyObject *Pool_scan(Pool *p, PyObject *args) {
 
 /* ------------------------------------------------------------------ prefix scan (lookup)
  *
- * prefix_run(prefixes, suffixes, gallop, timeout_s) -> (Status, chunks, probes)
+ * prefix_run(prefixes, suffixes, gallop, timeout_s, lease_s=0) -> (Status, chunks, probes)
  *
  * suffixes: str, or bytes (a raw chained hash; its lowercase hex is used, so
  * the scheduler need not build a hex string per chunk).
@@ -2619,7 +2629,11 @@ static PyObject *Pool_scan(Pool *p, PyObject *args) {
  * chunks < i), so probe chunks 0, 1, 3, 7, ... until a miss, then bisect between
  * the last hit and that miss: O(log n) probes. An eviction hole below a probed
  * hit is not seen (the run is overcounted; the load of the hole then fails and
- * those tokens are recomputed). probes counts chunks examined. */
+ * those tokens are recomputed). probes counts chunks examined.
+ *
+ * lease_s > 0: the chunks counted are also pinned (as pin() does) in the same
+ * pass, and the count is exactly what was pinned (with gallop every chunk of
+ * the run is then looked at, so no overcount). unpin_run lets them go. */
 typedef struct {
     const char *buf;       /* prefixes then suffixes, copied (the GIL is released) */
     uint32_t np, n;
@@ -2687,40 +2701,42 @@ static void scan_touch(Pool *p, seen_t *seen, size_t nseen, int sorted) {
     }
 }
 
-static PyObject *Pool_prefix_run(Pool *p, PyObject *args) {
-    PyObject *prefs, *sufs;
-    int gallop;
-    double t;
-    if (!PyArg_ParseTuple(args, "OOpd", &prefs, &sufs, &gallop, &t)) return NULL;
+static void prefix_req_free(prefix_req_t *q, char *buf) {
+    free(q->poff);
+    free(q->pstate);
+    free(q->soff);
+    free(buf);
+}
+
+/* Copy (prefixes, suffixes) into q and a buffer of their bytes (*bufp), so the
+ * GIL can be released; the FNV state after each prefix is computed here. Returns
+ * -1 with an exception set on bad input (the caller frees with prefix_req_free). */
+static int prefix_req_parse(PyObject *prefs, PyObject *sufs, const char *fn, prefix_req_t *q, char **bufp) {
+    int rc = -1;
     PyObject *pf = PySequence_Fast(prefs, "prefixes must be a sequence of str");
-    if (!pf) return NULL;
-    PyObject *sf = PySequence_Fast(sufs, "suffixes must be a sequence of str");
+    if (!pf) return -1;
+    PyObject *sf = PySequence_Fast(sufs, "suffixes must be a sequence of str or bytes");
     if (!sf) {
         Py_DECREF(pf);
-        return NULL;
+        return -1;
     }
     Py_ssize_t np = PySequence_Fast_GET_SIZE(pf), n = PySequence_Fast_GET_SIZE(sf);
-    PyObject *res = NULL;
-    prefix_req_t q = {0};
     char *buf = NULL;
-    uint64_t *hashes = NULL;
-    seen_t *seen = NULL;
-    size_t nseen = 0;
     if (np < 1 || np > 1 << 16 || n > 1 << 24) {
-        PyErr_SetString(PyExc_ValueError, "prefix_run: 1..65536 prefixes and at most 2^24 suffixes");
+        PyErr_Format(PyExc_ValueError, "%s: 1..65536 prefixes and at most 2^24 suffixes", fn);
         goto out;
     }
-    q.np = (uint32_t)np;
-    q.n = (uint32_t)n;
-    q.poff = malloc(sizeof(uint32_t) * 2 * np);
-    q.pstate = malloc(sizeof(uint64_t) * np);
-    q.soff = malloc(sizeof(uint32_t) * 2 * (n + 1));
-    if (!q.poff || !q.pstate || !q.soff) {
+    q->np = (uint32_t)np;
+    q->n = (uint32_t)n;
+    q->poff = malloc(sizeof(uint32_t) * 2 * np);
+    q->pstate = malloc(sizeof(uint64_t) * np);
+    q->soff = malloc(sizeof(uint32_t) * 2 * (n + 1));
+    if (!q->poff || !q->pstate || !q->soff) {
         PyErr_NoMemory();
         goto out;
     }
-    q.plen = q.poff + np;
-    q.slen = q.soff + n + 1;
+    q->plen = q->poff + np;
+    q->slen = q->soff + n + 1;
     size_t tot = 0;
     for (Py_ssize_t k = 0; k < np + n; k++) {
         PyObject *o = k < np ? PySequence_Fast_GET_ITEM(pf, k) : PySequence_Fast_GET_ITEM(sf, k - np);
@@ -2728,13 +2744,12 @@ static PyObject *Pool_prefix_run(Pool *p, PyObject *args) {
         if (k >= np && PyBytes_Check(o)) {
             l = 2 * PyBytes_GET_SIZE(o); /* a raw hash: its lowercase hex is the suffix */
         } else if (!PyUnicode_Check(o) || !PyUnicode_AsUTF8AndSize(o, &l)) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_TypeError, "prefix_run: prefixes must be str, suffixes str or bytes");
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_TypeError, "%s: prefixes must be str, suffixes str or bytes", fn);
             goto out;
         }
         if (l > MAX_KEY) l = MAX_KEY + 1; /* such a key is never present; keep the length only */
-        if (k < np) q.plen[k] = (uint32_t)l;
-        else q.slen[k - np] = (uint32_t)l;
+        if (k < np) q->plen[k] = (uint32_t)l;
+        else q->slen[k - np] = (uint32_t)l;
         tot += l > MAX_KEY ? 0 : l;
     }
     buf = malloc(tot + 1);
@@ -2746,7 +2761,7 @@ static PyObject *Pool_prefix_run(Pool *p, PyObject *args) {
     for (Py_ssize_t k = 0; k < np + n; k++) {
         PyObject *s = k < np ? PySequence_Fast_GET_ITEM(pf, k) : PySequence_Fast_GET_ITEM(sf, k - np);
         Py_ssize_t l;
-        uint32_t *off = k < np ? &q.poff[k] : &q.soff[k - np];
+        uint32_t *off = k < np ? &q->poff[k] : &q->soff[k - np];
         *off = (uint32_t)o;
         if (k >= np && PyBytes_Check(s)) {
             static const char hexd[] = "0123456789abcdef";
@@ -2766,9 +2781,54 @@ static PyObject *Pool_prefix_run(Pool *p, PyObject *args) {
             o += l;
         }
     }
-    q.buf = buf;
-    for (uint32_t j = 0; j < q.np; j++) q.pstate[j] = fnv_more(0xcbf29ce484222325ULL, buf + q.poff[j], q.plen[j]);
-    seen = malloc(sizeof(seen_t) * np * (gallop ? 128 : n + 1)); /* gallop: at most ~2 log2(n) probes */
+    q->buf = buf;
+    for (uint32_t j = 0; j < q->np; j++) q->pstate[j] = fnv_more(0xcbf29ce484222325ULL, buf + q->poff[j], q->plen[j]);
+    rc = 0;
+out:
+    *bufp = buf;
+    Py_DECREF(pf);
+    Py_DECREF(sf);
+    return rc;
+}
+
+/* Pin the entries of a run found by a scan (seen: every key of chunks
+ * [0, hits), in chunk order) until ``until``. The lock is dropped between a
+ * linear scan's blocks, so an entry may have been replaced since it was seen
+ * (another version: removed, evicted, spilled); the run ends at that chunk, so
+ * what a lookup counts is exactly what it pinned. Returns the run. Lock held. */
+static Py_ssize_t scan_pin(Pool *p, const seen_t *seen, size_t nseen, Py_ssize_t hits, uint64_t until) {
+    entry_t *E = ENT(p);
+    for (size_t k = 0; k < nseen; k++) {
+        if (E[seen[k].idx].version != seen[k].version) {
+            if ((Py_ssize_t)seen[k].chunk < hits) hits = (Py_ssize_t)seen[k].chunk;
+            break;
+        }
+    }
+    uint64_t now = now_ns();
+    for (size_t k = 0; k < nseen && (Py_ssize_t)seen[k].chunk < hits; k++) pin_entry(p, &E[seen[k].idx], now, until);
+    return hits;
+}
+
+static PyObject *Pool_prefix_run(Pool *p, PyObject *args) {
+    PyObject *prefs, *sufs;
+    int gallop;
+    double t, lease = 0.0;
+    if (!PyArg_ParseTuple(args, "OOpd|d", &prefs, &sufs, &gallop, &t, &lease)) return NULL;
+    if (lease != 0.0 && !(lease > 0 && lease <= 3600)) {
+        PyErr_SetString(PyExc_ValueError, "lease_s must be 0 (no pin) or > 0 and <= 3600 (pins are short leases)");
+        return NULL;
+    }
+    PyObject *res = NULL;
+    prefix_req_t q = {0};
+    char *buf = NULL;
+    uint64_t *hashes = NULL;
+    seen_t *seen = NULL;
+    size_t nseen = 0;
+    if (prefix_req_parse(prefs, sufs, "prefix_run", &q, &buf) < 0) goto out;
+    Py_ssize_t np = q.np, n = q.n;
+    uint64_t lease_ns = (uint64_t)(lease * 1e9);
+    /* gallop records only its probes (~2 log2(n)); pinning needs every chunk of the run */
+    seen = malloc(sizeof(seen_t) * np * (gallop && !lease_ns ? 128 : n + 1));
     if (!gallop && n) hashes = malloc(sizeof(uint64_t) * np * n);
     if (!seen || (!gallop && n && !hashes)) {
         PyErr_NoMemory();
@@ -2794,6 +2854,8 @@ static PyObject *Pool_prefix_run(Pool *p, PyObject *args) {
              * chunks), each probed under the lock: a miss early costs little. */
             uint32_t hashed = 0, block = 16;
             while (!st && (uint32_t)hits == hashed && hashed < q.n) {
+                double stall = hashed ? atomic_load(&p->scan_stall_s) : 0;
+                if (stall > 0) usleep((useconds_t)(stall * 1e6));
                 uint32_t end = q.n - hashed < block ? q.n : hashed + block;
                 for (uint32_t i = hashed; i < end; i++)
                     for (uint32_t j = 0; j < q.np; j++)
@@ -2806,7 +2868,10 @@ static PyObject *Pool_prefix_run(Pool *p, PyObject *args) {
                     if (!chunk_present(p, &q, (uint32_t)hits, hashes + (size_t)hits * q.np, seen, &nseen)) break;
                     hits++;
                 }
-                if ((uint32_t)hits < hashed || hashed == q.n) scan_touch(p, seen, nseen, 1); /* the last block */
+                if ((uint32_t)hits < hashed || hashed == q.n) { /* the last block */
+                    if (lease_ns) hits = scan_pin(p, seen, nseen, hits, now_ns() + lease_ns);
+                    scan_touch(p, seen, nseen, 1);
+                }
                 pool_unlock(p);
             }
         } else if (!st && q.n) {
@@ -2832,7 +2897,17 @@ static PyObject *Pool_prefix_run(Pool *p, PyObject *args) {
                     else hi = mid;
                 }
                 hits = (Py_ssize_t)lo;
-                scan_touch(p, seen, nseen, 0);
+                if (lease_ns) {
+                    /* A pin holds exactly what is counted: every chunk of the run is
+                     * looked at, so a hole below a probe ends the run (no overcount). */
+                    nseen = 0;
+                    Py_ssize_t i = 0;
+                    while (i < hits && chunk_present(p, &q, (uint32_t)i, NULL, seen, &nseen)) i++;
+                    hits = scan_pin(p, seen, nseen, i, now_ns() + lease_ns);
+                    scan_touch(p, seen, nseen, 1);
+                } else {
+                    scan_touch(p, seen, nseen, 0);
+                }
                 pool_unlock(p);
             }
         }
@@ -2841,14 +2916,61 @@ static PyObject *Pool_prefix_run(Pool *p, PyObject *args) {
     }
     res = Py_BuildValue("(Nnn)", status_obj(st), st == ST_OK ? hits : (Py_ssize_t)0, probes);
 out:
-    free(q.poff);
-    free(q.pstate);
-    free(q.soff);
-    free(buf);
+    prefix_req_free(&q, buf);
     free(hashes);
     free(seen);
-    Py_DECREF(pf);
-    Py_DECREF(sf);
+    return res;
+}
+
+/* unpin_run(prefixes, suffixes, timeout_s) -> Status: drop this process's pins
+ * of every key prefix + suffixes[i] (what prefix_run pinned), without a key
+ * string per object in Python. Absent keys are skipped; shared pins end with
+ * their lease. */
+static PyObject *Pool_unpin_run(Pool *p, PyObject *args) {
+    PyObject *prefs, *sufs;
+    double t;
+    if (!PyArg_ParseTuple(args, "OOd", &prefs, &sufs, &t)) return NULL;
+    prefix_req_t q = {0};
+    char *buf = NULL;
+    uint64_t *hashes = NULL;
+    PyObject *res = NULL;
+    if (prefix_req_parse(prefs, sufs, "unpin_run", &q, &buf) < 0) goto out;
+    size_t nk = (size_t)q.np * q.n;
+    if (nk && !(hashes = malloc(sizeof(uint64_t) * nk))) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    int st = ST_OK;
+    if (enter(p) < 0) {
+        st = ST_UNAVAILABLE;
+    } else {
+        double deadline = arg_deadline(t);
+        Py_BEGIN_ALLOW_THREADS
+        for (uint32_t i = 0; i < q.n; i++)
+            for (uint32_t j = 0; j < q.np; j++)
+                hashes[(size_t)i * q.np + j] = fnv_mix(fnv_more(q.pstate[j], buf + q.soff[i], q.slen[i]));
+        st = ensure_slot(p, deadline);
+        if (!st && nk && !(st = pool_lock(p, deadline))) {
+            char key[MAX_KEY];
+            for (uint32_t i = 0; i < q.n; i++) {
+                for (uint32_t j = 0; j < q.np; j++) {
+                    uint32_t pl = q.plen[j], sl = q.slen[i], kl = pl + sl;
+                    if (kl == 0 || kl > MAX_KEY) continue;
+                    memcpy(key, buf + q.poff[j], pl);
+                    memcpy(key + pl, buf + q.soff[i], sl);
+                    uint32_t x = find(p, key, kl, hashes[(size_t)i * q.np + j]);
+                    if (x != NONE32) unpin_entry(p, &ENT(p)[x]);
+                }
+            }
+            pool_unlock(p);
+        }
+        Py_END_ALLOW_THREADS
+        leave(p);
+    }
+    res = status_obj(st);
+out:
+    prefix_req_free(&q, buf);
+    free(hashes);
     return res;
 }
 
@@ -3192,6 +3314,13 @@ static PyObject *Pool_debug_spill_stall(Pool *p, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Pool_debug_scan_stall(Pool *p, PyObject *args) {
+    double secs;
+    if (!PyArg_ParseTuple(args, "d", &secs)) return NULL;
+    atomic_store(&p->scan_stall_s, secs > 0 ? secs : 0);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Pool_debug_put_stall(Pool *p, PyObject *args) {
     double secs;
     if (!PyArg_ParseTuple(args, "d", &secs)) return NULL;
@@ -3234,7 +3363,10 @@ static PyMethodDef Pool_methods[] = {
     {"scan", (PyCFunction)Pool_scan, METH_VARARGS,
      "scan(prefix, remove, limit, timeout_s) -> (Status, count | [keys])"},
     {"prefix_run", (PyCFunction)Pool_prefix_run, METH_VARARGS,
-     "prefix_run(prefixes, suffixes, gallop, timeout_s) -> (Status, chunks present from 0, probes)"},
+     "prefix_run(prefixes, suffixes, gallop, timeout_s, lease_s=0) -> (Status, chunks present from 0, probes);"
+     " lease_s > 0 also pins those chunks"},
+    {"unpin_run", (PyCFunction)Pool_unpin_run, METH_VARARGS,
+     "unpin_run(prefixes, suffixes, timeout_s) -> Status: drop this process's pins of those chunks"},
     {"stats", (PyCFunction)Pool_stats, METH_VARARGS, "stats(timeout_s) -> (Status, dict)"},
     {"removed_since", (PyCFunction)Pool_removed_since, METH_VARARGS,
      "removed_since(cursor, limit, timeout_s) -> (Status, next_cursor, [(seq, key, tier, reason, moved_to)], lost)"},
@@ -3246,6 +3378,8 @@ static PyMethodDef Pool_methods[] = {
      "pause this handle's spills between their disk writes and finalizing them"},
     {"debug_put_stall", (PyCFunction)Pool_debug_put_stall, METH_VARARGS,
      "pause this handle's puts between reserving and copying in"},
+    {"debug_scan_stall", (PyCFunction)Pool_debug_scan_stall, METH_VARARGS,
+     "pause this handle's linear prefix scans between their blocks, unlocked"},
     {"debug_delay", (PyCFunction)Pool_debug_delay, METH_VARARGS, "make data calls of this handle slow"},
     {"debug_holder", (PyCFunction)Pool_debug_holder, METH_NOARGS, "pid holding a debug hook (neg: stalled put)"},
     {"close", (PyCFunction)Pool_close, METH_VARARGS, "close(destroy=False)"},

@@ -75,6 +75,11 @@ class LocalHooks:
         before the victims leave DRAM (0 turns it off)."""
         self._pool.debug_spill_stall(seconds)
 
+    def stall_scans(self, seconds: float) -> None:
+        """This client's linear prefix scans pause ``seconds`` between their
+        blocks of chunks (16, 64, 256, ...), with the pool unlocked (0: off)."""
+        self._pool.debug_scan_stall(seconds)
+
     def stall_puts(self, seconds: float) -> None:
         """This client's puts pause ``seconds`` after reserving their pages, before
         copying in (a writer caught mid-put that then writes its bytes; 0: off)."""
@@ -162,12 +167,22 @@ class LocalBackend(Backend):
         return self._pool.exists(keys, timeout_s)
 
     def prefix_run(
-        self, prefixes: Sequence[str], suffixes: Sequence[str], timeout_s: float, gallop: bool = False
+        self, prefixes: Sequence[str], suffixes: Sequence[str] | Sequence[bytes], timeout_s: float,
+        gallop: bool = False, lease_s: float = 0.0,
     ) -> tuple[Status, int, int]:
         """The lookup of a prompt in one native call: how many chunks from 0 are
         present, chunk i being present when every ``prefix + suffixes[i]`` is.
-        Returns (status, chunks, chunks probed); see PoolLookup for ``gallop``."""
-        return self._pool.prefix_run(prefixes, suffixes, gallop, timeout_s)
+        Returns (status, chunks, chunks probed); see PoolLookup for ``gallop``.
+        ``lease_s`` > 0 also pins the chunks counted (as ``pin`` does), in the
+        same pass: the count is exactly what is pinned."""
+        return self._pool.prefix_run(prefixes, suffixes, gallop, timeout_s, lease_s)
+
+    def unpin_run(
+        self, prefixes: Sequence[str], suffixes: Sequence[str] | Sequence[bytes], timeout_s: float
+    ) -> Status:
+        """Drop this process's pins of every ``prefix + suffixes[i]`` (what a
+        ``prefix_run`` with a lease pinned)."""
+        return self._pool.unpin_run(prefixes, suffixes, timeout_s)
 
     def put(self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float) -> list[Status]:
         return self._pool.put(keys, regions, timeout_s)
