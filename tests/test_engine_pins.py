@@ -35,6 +35,15 @@ def pool():
     _shmpool.unlink(name)
 
 
+@pytest.fixture
+def big_pool():
+    name = f"lpin-{uuid.uuid4().hex[:10]}"
+    be = LocalBackend.create(LocalOptions(name=name, capacity=8 * MiB, page_size=16 * KiB), BackendContext())
+    yield be
+    be.destroy()
+    _shmpool.unlink(name)
+
+
 def _put(be: LocalBackend, keys: list[str]) -> list[Status]:
     buf = np.full(OBJ, 7, np.uint8)
     return be.put(keys, [[Region(buf.ctypes.data, OBJ)]] * len(keys), T)
@@ -265,3 +274,49 @@ def test_the_local_pools_lookup_pins_in_its_scan(pool, monkeypatch):
     assert pool.pinned() == 1
     lk.pins.release("s")
     assert pool.pinned() == 0 and lk.pins.held_keys() == 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_requests_holding_overlapping_runs_keep_exactly_their_union_pinned(big_pool, seed):
+    """Prompts sharing prefixes of chained hashes (as vLLM's are), requests looking
+    them up from various chunks, keeping part, being looked up again for another
+    prompt, released, in random order: what the pool has pinned is always the
+    union of what the requests hold (nothing unpinned early, nothing left)."""
+    import hashlib
+
+    rng = random.Random(seed)
+    pool = big_pool
+    lk, kb = _lookup(pool)
+    assert lk.pins.by_run
+    # a tree of prompts: each continues a random prefix of an earlier one (chained hashes)
+    prompts: list[list[bytes]] = []
+    for p in range(6):
+        base = prompts[rng.randrange(len(prompts))][: rng.randint(0, 5)] if prompts else []
+        chain = list(base)
+        while len(chain) < 8:
+            chain.append(hashlib.sha256((chain[-1] if chain else b"root") + f"{p}-{len(chain)}".encode()).digest())
+        prompts.append(chain)
+    stored = sorted({h for c in prompts for h in c})
+    for i in range(0, len(stored), 8):
+        assert _put(pool, _keys(kb, [h.hex() for h in stored[i : i + 8]])) == [Status.OK] * len(stored[i : i + 8])
+    held: dict[str, list[bytes]] = {}
+    for _ in range(120):
+        rid = f"r{rng.randrange(5)}"
+        op = rng.random()
+        if op < 0.5:
+            chain = prompts[rng.randrange(len(prompts))]
+            start = rng.randint(0, 7)
+            assert lk.prefix_hits("", chain, start, rid) == 8
+            held[rid] = chain[start:]
+        elif op < 0.75 and rid in held:
+            k = rng.randint(0, len(held[rid]))
+            lk.pins.keep(rid, k)
+            held[rid] = held[rid][:k]
+        else:
+            lk.pins.release(rid)
+            held.pop(rid, None)
+        want = {h for units in held.values() for h in units}
+        assert pool.pinned() == len(want), f"pinned {pool.pinned()}, the requests hold {len(want)} chunks"
+        assert lk.pins.held_keys() == len(want)
+    lk.pins.release(list(held))
+    assert pool.pinned() == 0

@@ -50,6 +50,8 @@ class _Holding:
     #: chained hashes name their whole prefix, so this names the run without its keys
     run: tuple | None = None
     scope: Scope = None
+    #: a native scan's holding: the chunk position of ``units[0]`` in its prompt
+    start: int = 0
 
 
 class LookupPins:
@@ -58,8 +60,17 @@ class LookupPins:
     Two ways in: ``pin`` pins key strings through the backend's ``pin``; with
     ``unpin_run`` (a backend whose prefix scan pins what it counts, e.g. the
     local pool), the scan has already pinned and ``took`` records the chunk
-    hashes, so a lookup builds no key string at all. A holding is counted per
-    unit (key, or chunk hash of a tenant) across requests either way."""
+    hashes, so a lookup does no per-chunk work in Python at all.
+
+    Requests of this process may hold the same object (a shared system prompt);
+    it is unpinned only when no other holding has it. Key strings are counted
+    per key. Chunk hashes are not counted: they are chained (a chunk's hash
+    names its whole prefix), so two holdings of one tenant that agree at a chunk
+    position agree at every position below it that both hold, and what another
+    holding shares with the chunks let go is found by one comparison and a
+    bisection. Were hashes not chained, a chunk could be unpinned while another
+    request still counts it: its load may then miss and recompute, never read
+    wrong bytes."""
 
     def __init__(
         self, guard: BackendGuard, lease_s: float, timeout_s: float, *, unpin_run: UnpinRun | None = None,
@@ -74,9 +85,8 @@ class LookupPins:
         self._clock = clock
         self._lock = threading.RLock()  # held across the backend calls too: one ledger update at a time
         self._held: dict[str, _Holding] = {}
-        #: holders per unit, per scope. Chunk hashes are counted as given (bytes or
-        #: hex str): one connector passes one form; a mix would only unpin early.
-        self._refs: dict[Scope, Counter] = {}
+        #: holders per key string (a native scan's holdings are not counted, above)
+        self._refs: Counter[str] = Counter()
 
     @staticmethod
     def supported(guard: BackendGuard | None) -> bool:
@@ -142,28 +152,30 @@ class LookupPins:
         return chunks
 
     def took(self, req_id: str, tenant: str, hashes: Sequence, run: tuple) -> None:
-        """The native scan pinned ``hashes`` (the chunks it counted, of ``tenant``)
-        for ``req_id``: hold them in its place (replacing its earlier holding)."""
+        """The native scan pinned ``hashes`` (the chunks it counted, of ``tenant``,
+        from chunk ``run[1]``) for ``req_id``: hold them in its place (replacing
+        its earlier holding). Hashes are compared as given: one connector passes
+        one form (raw or hex); a mix would only unpin early."""
         with self._lock:
             self.expire()
             old = self._held.get(req_id)
             if old is not None and old.scope == tenant and old.run == run:
                 old.expires = self._clock() + self.lease_s  # the same run, pinned again
                 return
-            self._replace(req_id, _Holding(list(hashes), 1, self._clock() + self.lease_s, run, tenant))
+            self._replace(req_id, _Holding(list(hashes), 1, self._clock() + self.lease_s, run, tenant, run[1]))
 
     def _replace(self, req_id: str, new: _Holding | None, extra: Sequence = ()) -> None:
-        # Count the new holding before letting go of the old: units in both stay pinned.
+        # Hold the new before letting go of the old: what both have stays pinned.
         old = self._held.pop(req_id, None)
         if new is not None:
-            self._refs.setdefault(new.scope, Counter()).update(new.units)
+            if new.scope is None:
+                self._refs.update(new.units)
             self._held[req_id] = new
         drop: dict[Scope, list] = {}
         if old is not None:
-            self._decref(old.scope, old.units, drop)
+            self._let_go(old, 0, drop)
         if extra:
-            refs = self._refs.get(None, {})
-            drop.setdefault(None, []).extend(k for k in extra if not refs.get(k))
+            drop.setdefault(None, []).extend(k for k in extra if not self._refs.get(k))
         self._unpin(drop)
 
     def keep(self, req_id: str, chunks: int) -> None:
@@ -172,12 +184,13 @@ class LookupPins:
             h = self._held.get(req_id)
             if h is None or chunks * h.width >= len(h.units):
                 return
-            rest, h.units = h.units[chunks * h.width :], h.units[: chunks * h.width]
+            rest = _Holding(h.units[chunks * h.width :], h.width, h.expires, None, h.scope, h.start + chunks)
+            h.units = h.units[: chunks * h.width]
             h.run = None  # no longer what a lookup counted
             if not h.units:
                 del self._held[req_id]
             drop: dict[Scope, list] = {}
-            self._decref(h.scope, rest, drop)
+            self._let_go(rest, 0, drop)
             self._unpin(drop)
 
     def release(self, req_ids: Sequence[str] | str) -> None:
@@ -185,11 +198,10 @@ class LookupPins:
         if isinstance(req_ids, str):
             req_ids = [req_ids]
         with self._lock:
+            gone = [h for r in req_ids if (h := self._held.pop(r, None)) is not None]
             drop: dict[Scope, list] = {}
-            for r in req_ids:
-                h = self._held.pop(r, None)
-                if h is not None:
-                    self._decref(h.scope, h.units, drop)
+            for h in gone:
+                self._let_go(h, 0, drop)
             self._unpin(drop)
 
     def expire(self) -> None:
@@ -197,10 +209,10 @@ class LookupPins:
         now = self._clock()
         with self._lock:
             stale = [r for r, h in self._held.items() if h.expires <= now]
+            gone = [self._held.pop(r) for r in stale]
             drop: dict[Scope, list] = {}
-            for r in stale:
-                h = self._held.pop(r)
-                self._decref(h.scope, h.units, drop)
+            for h in gone:
+                self._let_go(h, 0, drop)
             if stale:
                 log.debug("lookup pins of %d requests ran out of lease before their loads", len(stale))
             # Unpin anyway: a pin taken later than the ledger's clock says may still hold.
@@ -213,7 +225,8 @@ class LookupPins:
     def held_keys(self) -> int:
         """Distinct units held: keys, or chunks for a native scan's pins."""
         with self._lock:
-            return sum(len(c) for c in self._refs.values())
+            chunks = {(h.scope, u) for h in self._held.values() if h.scope is not None for u in h.units}
+            return len(self._refs) + len(chunks)
 
     def requests(self) -> list[str]:
         with self._lock:
@@ -221,25 +234,39 @@ class LookupPins:
 
     def close(self) -> None:
         with self._lock:
-            drop = {scope: list(c) for scope, c in self._refs.items()}
+            drop: dict[Scope, list] = {None: list(self._refs)}
+            for h in self._held.values():
+                if h.scope is not None:
+                    drop.setdefault(h.scope, []).extend(h.units)
             self._held.clear()
             self._refs.clear()
             self._unpin(drop)
 
-    def _decref(self, scope: Scope, units: Sequence, drop: dict[Scope, list]) -> None:
-        refs = self._refs.get(scope)
-        if refs is None:
+    def _let_go(self, h: _Holding, first: int, drop: dict[Scope, list]) -> None:
+        """``h`` (no longer in the ledger) lets go of its units from index
+        ``first``: add to ``drop`` those no holding in the ledger has."""
+        units = h.units[first:] if first else h.units
+        out = drop.setdefault(h.scope, [])
+        if h.scope is None:
+            refs = self._refs
+            for k in units:
+                n = refs[k] - 1
+                if n <= 0:
+                    del refs[k]
+                    out.append(k)
+                else:
+                    refs[k] = n
             return
-        out = drop.setdefault(scope, [])
-        for k in units:
-            n = refs[k] - 1
-            if n <= 0:
-                del refs[k]
-                out.append(k)
-            else:
-                refs[k] = n
-        if not refs:
-            del self._refs[scope]
+        pos0, n = h.start + first, len(units)
+        shared = sorted(iv for o in self._held.values() if o.scope == h.scope
+                        if (iv := _shared(units, pos0, o)) is not None)
+        at = pos0
+        for lo, hi in shared:  # positions [lo, hi) another holding has: keep them pinned
+            if lo > at:
+                out.extend(units[at - pos0 : lo - pos0])
+            at = max(at, hi)
+        if at < pos0 + n:
+            out.extend(units[at - pos0 :])
 
     def _unpin(self, drop: dict[Scope, list]) -> None:
         # Bounded like every call; a failed unpin leaves a pin that its lease ends.
@@ -250,3 +277,22 @@ class LookupPins:
                 self.guard.unpin(units, self.timeout_s)
             elif self._unpin_run is not None:
                 self._unpin_run(scope, units)
+
+
+def _shared(units: list, pos0: int, o: _Holding) -> tuple[int, int] | None:
+    """Chunk positions [lo, hi) that ``o`` holds among ``units`` (at positions
+    from ``pos0``), or None. Chained hashes agree below any position where they
+    agree, so the shared part starts where both begin and ends at the first
+    difference, found by bisection."""
+    lo = max(pos0, o.start)
+    hi = min(pos0 + len(units), o.start + len(o.units))
+    if lo >= hi or units[lo - pos0] != o.units[lo - o.start]:
+        return None
+    a, b = lo + 1, hi  # equal at a - 1; the first difference is in [a, b] (b: none)
+    while a < b:
+        m = (a + b) // 2
+        if units[m - pos0] == o.units[m - o.start]:
+            a = m + 1
+        else:
+            b = m
+    return lo, a
