@@ -26,22 +26,22 @@ OBJ = 64 * KiB
 T = 5.0
 
 
-@pytest.fixture
-def pool():
+def _open_pool(capacity: int):
     name = f"lpin-{uuid.uuid4().hex[:10]}"
-    be = LocalBackend.create(LocalOptions(name=name, capacity=1 * MiB, page_size=16 * KiB), BackendContext())
+    be = LocalBackend.create(LocalOptions(name=name, capacity=capacity, page_size=16 * KiB), BackendContext())
     yield be
     be.destroy()
     _shmpool.unlink(name)
+
+
+@pytest.fixture
+def pool():
+    yield from _open_pool(1 * MiB)
 
 
 @pytest.fixture
 def big_pool():
-    name = f"lpin-{uuid.uuid4().hex[:10]}"
-    be = LocalBackend.create(LocalOptions(name=name, capacity=8 * MiB, page_size=16 * KiB), BackendContext())
-    yield be
-    be.destroy()
-    _shmpool.unlink(name)
+    yield from _open_pool(8 * MiB)
 
 
 def _put(be: LocalBackend, keys: list[str]) -> list[Status]:

@@ -173,7 +173,7 @@ class LookupPins:
             self._held[req_id] = new
         drop: dict[Scope, list] = {}
         if old is not None:
-            self._let_go(old, 0, drop)
+            self._let_go(old, drop)
         if extra:
             drop.setdefault(None, []).extend(k for k in extra if not self._refs.get(k))
         self._unpin(drop)
@@ -190,7 +190,7 @@ class LookupPins:
             if not h.units:
                 del self._held[req_id]
             drop: dict[Scope, list] = {}
-            self._let_go(rest, 0, drop)
+            self._let_go(rest, drop)
             self._unpin(drop)
 
     def release(self, req_ids: Sequence[str] | str) -> None:
@@ -201,7 +201,7 @@ class LookupPins:
             gone = [h for r in req_ids if (h := self._held.pop(r, None)) is not None]
             drop: dict[Scope, list] = {}
             for h in gone:
-                self._let_go(h, 0, drop)
+                self._let_go(h, drop)
             self._unpin(drop)
 
     def expire(self) -> None:
@@ -212,7 +212,7 @@ class LookupPins:
             gone = [self._held.pop(r) for r in stale]
             drop: dict[Scope, list] = {}
             for h in gone:
-                self._let_go(h, 0, drop)
+                self._let_go(h, drop)
             if stale:
                 log.debug("lookup pins of %d requests ran out of lease before their loads", len(stale))
             # Unpin anyway: a pin taken later than the ledger's clock says may still hold.
@@ -242,10 +242,10 @@ class LookupPins:
             self._refs.clear()
             self._unpin(drop)
 
-    def _let_go(self, h: _Holding, first: int, drop: dict[Scope, list]) -> None:
-        """``h`` (no longer in the ledger) lets go of its units from index
-        ``first``: add to ``drop`` those no holding in the ledger has."""
-        units = h.units[first:] if first else h.units
+    def _let_go(self, h: _Holding, drop: dict[Scope, list]) -> None:
+        """``h`` (no longer in the ledger) lets go of its units: add to ``drop``
+        those no holding in the ledger has."""
+        units = h.units
         out = drop.setdefault(h.scope, [])
         if h.scope is None:
             refs = self._refs
@@ -257,7 +257,7 @@ class LookupPins:
                 else:
                     refs[k] = n
             return
-        pos0, n = h.start + first, len(units)
+        pos0, n = h.start, len(units)
         shared = sorted(iv for o in self._held.values() if o.scope == h.scope
                         if (iv := _shared(units, pos0, o)) is not None)
         at = pos0
