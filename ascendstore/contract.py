@@ -10,8 +10,10 @@ exception; exceptions are for bugs and for set-up errors (``BackendSetupError``)
 from __future__ import annotations
 
 import enum
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -101,6 +103,37 @@ class Capabilities:
     removal_events: bool = False
     #: pin()/unpin(): a lookup can keep what it counted from eviction for a short lease.
     pins: bool = False
+
+
+_caller = threading.local()
+
+
+def caller_is_watched() -> bool:
+    """True while the engine watches the calling thread's backend calls.
+
+    The engine then stops waiting for a call at its deadline by itself: it fails
+    what the call was for (vLLM recomputes those blocks), keeps the memory it
+    lent the call out of use until the call returns, and carries on with another
+    thread. So a backend whose client has no per-call timeout (``bounded_calls``
+    and ``detaches_calls``: it hands calls to a worker of its own and stops
+    waiting at ``timeout_s``) may run such a call on the calling thread instead
+    and save the hand-off; an answer that comes after the deadline may be the
+    truth about what was read, and the engine discards answers it stopped
+    waiting for. Everywhere else (vLLM's forward thread, the scheduler, tools)
+    this is False and ``timeout_s`` binds as the contract says.
+    """
+    return getattr(_caller, "watched", False)
+
+
+@contextmanager
+def watched_caller() -> Iterator[None]:
+    """The engine's side of :func:`caller_is_watched` (and tests that play it)."""
+    before = getattr(_caller, "watched", False)
+    _caller.watched = True
+    try:
+        yield
+    finally:
+        _caller.watched = before
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@
       delay_s: {get: 0.3}                 # a slow store that honours timeouts
       hang_s: {put: 5}                    # a wedged client that ignores them
       late_garbage: false                 # a hung get scribbles over its regions when it wakes (answers TIMEOUT)
+      detaches: false                     # hang like Mooncake: on the caller's thread only when it is watched
       fail_rate: {get: 0.2}               # per key: report fail_status instead
       fail_status: UNAVAILABLE
       raise_rate: {exists: 0.01}          # per call: raise (a buggy client)
@@ -33,6 +34,14 @@ What is injected where, and why it is faithful:
     corruption, which no engine sees (that is ``flip_rate``); answering OK here
     made the interleaving tests report "wrong KV read" for a fault the engine
     cannot, and need not, survive.
+  * ``detaches`` makes the wrapper a client with no per-call timeout behind a
+    hand-off of its own, as the Mooncake backend is: it declares
+    ``bounded_calls`` and ``detaches_calls``, so the engine calls it on its own
+    threads and lands loads in buffers of its own. A call from a watched caller
+    (``caller_is_watched()``: the engine's load thread) runs, hangs and scribbles
+    right there, and only the engine's watchdog can give up on it; any other call
+    runs on a thread of the wrapper and is answered TIMEOUT at ``timeout_s``
+    while it goes on (``quiescent()`` False until it ends). Fixed at start-up.
   * ``corrupt_rate`` damages the object *in the wrapped store* through its own
     test hook, so the store's integrity checks (``detects_corruption``) are what
     is exercised; ``flip_rate`` damages the bytes after a successful read, which
@@ -73,6 +82,7 @@ from ascendstore.contract import (
     Health,
     Region,
     Status,
+    caller_is_watched,
 )
 from ascendstore.errors import ConfigError, format_validation_error
 
@@ -103,6 +113,10 @@ class FaultyOptions(BackendOptions):
     late_garbage: Bool = Field(
         False, description="a hung get writes a wrong pattern over its regions when it wakes (and answers TIMEOUT)"
     )
+    detaches: Bool = Field(
+        False, description="hang like a client behind a hand-off of its own (Mooncake): on the caller's thread only "
+        "when the engine watches it, else on a thread of the wrapper, answering TIMEOUT at timeout_s"
+    )
     down: Bool = Field(False, description="every call reports UNAVAILABLE")
     health_status: Literal["OK", "UNAVAILABLE", "TIMEOUT"] | None = Field(
         None, description="health() reports this whatever the truth (a lying health check); None: the truth"
@@ -127,7 +141,7 @@ class FaultyOptions(BackendOptions):
 
 
 #: options that may change at run time (the wrapped backend may not).
-_MUTABLE = frozenset(FaultyOptions.model_fields) - {"backend", "backend_config", "control_file"}
+_MUTABLE = frozenset(FaultyOptions.model_fields) - {"backend", "backend_config", "control_file", "detaches"}
 
 
 class InjectedFault(RuntimeError):
@@ -151,6 +165,10 @@ class FaultyBackend(Backend):
         self._sizes: dict[str, int] = {}
         self._control_mtime: float | None = None
         self._control_checked = 0.0
+        #: calls still running on the wrapper's threads after their caller was answered
+        self._detached = 0
+        #: calls asleep in a ``hang_s`` now (tests: "answered while the call still hung")
+        self.hanging = 0
         hooks = inner.test_hooks()
         self._corrupt_hook = getattr(hooks, "corrupt", None) if hooks is not None else None
         if options.corrupt_rate and self._corrupt_hook is None:
@@ -228,7 +246,13 @@ class FaultyBackend(Backend):
         hang = o.hang_s.get(op, 0.0)  # type: ignore[call-overload]
         if hang:
             self.injected["hang"] += 1
-            time.sleep(hang)
+            with self._lock:
+                self.hanging += 1
+            try:
+                time.sleep(hang)
+            finally:
+                with self._lock:
+                    self.hanging -= 1
         delay = o.delay_s.get(op, 0.0)  # type: ignore[call-overload]
         if delay:
             self.injected["delay"] += 1
@@ -250,6 +274,40 @@ class FaultyBackend(Backend):
         return fails
 
     def _keyed(
+        self, op: str, keys: Sequence[str], regions: Sequence[Sequence[Region]] | None, timeout_s: float,
+        call: Callable[[list[str], float], list[Status]] | None = None,
+    ) -> list[Status]:
+        if self.options.detaches and not caller_is_watched():
+            return self._handed_off(lambda: self._keyed_now(op, keys, regions, timeout_s, call), len(keys), timeout_s)
+        return self._keyed_now(op, keys, regions, timeout_s, call)
+
+    def _handed_off(self, fn: Callable[[], list[Status]], n: int, timeout_s: float) -> list[Status]:
+        """Run a call on a thread of its own and answer TIMEOUT at ``timeout_s``
+        while it goes on (``detaches``): the hand-off of a client without timeouts."""
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["out"] = fn()
+            except BaseException as exc:  # re-raised on the caller's thread if it still waits
+                box["err"] = exc
+            finally:
+                with self._lock:
+                    self._detached -= 1
+                done.set()
+
+        with self._lock:
+            self._detached += 1
+        threading.Thread(target=run, name="faulty-call", daemon=True).start()
+        if not done.wait(max(0.0, timeout_s)):
+            self.injected["detached"] += 1
+            return [Status.TIMEOUT] * n
+        if "err" in box:
+            raise box["err"]
+        return box["out"]
+
+    def _keyed_now(
         self, op: str, keys: Sequence[str], regions: Sequence[Sequence[Region]] | None, timeout_s: float,
         call: Callable[[list[str], float], list[Status]] | None = None,
     ) -> list[Status]:
@@ -347,7 +405,13 @@ class FaultyBackend(Backend):
     @property
     def capabilities(self) -> Capabilities:
         # It may be told to hang at any time: never let the engine trust it with vLLM's blocks.
+        if self.options.detaches:
+            # Bounded by its own hand-off, except for watched callers (the engine watches those).
+            return dataclasses.replace(self.inner.capabilities, bounded_calls=True, detaches_calls=True)
         return dataclasses.replace(self.inner.capabilities, bounded_calls=False)
+
+    def quiescent(self) -> bool:
+        return self._detached == 0 and self.inner.quiescent()
 
     def register(self, regions: Sequence[Region]) -> Status:
         return self.inner.register(regions)

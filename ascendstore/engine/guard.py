@@ -148,6 +148,12 @@ class BackendGuard:
             self._observe(call.op, out)
         return out
 
+    def observe(self, op: str, statuses: list[Status]) -> None:
+        """Tell the health monitor and observers of a call's outcome decided
+        outside the guard (the engine's watchdog gave up on a call)."""
+        if self.monitor is not None or self.observers:
+            self._observe(op, statuses)
+
     def _observe(self, op: str, statuses: list[Status]) -> None:
         try:
             if self.monitor is not None:

@@ -13,7 +13,11 @@ backend that declares ``bounded_calls`` (and not ``detaches_calls``) calls are
 never abandoned, so they use vLLM's blocks directly. Otherwise loads land in connector-owned buffers
 (``HostBounce`` or the device stager's host buffers) and are copied into the
 blocks only after the call returned in time; a buffer whose call overran is
-retired until the call really ends. A put reads vLLM's blocks (or a staging
+retired until the call really ends. A backend that runs calls on the caller's
+thread but may outlive them (``bounded_calls`` and ``detaches_calls``) may block
+the load thread itself in a get (``caller_is_watched()``); the watchdog of
+engine/watch.py then gives up on it at its deadline (``_abandon``: the load
+fails, the buffer is retired, another load thread takes over). A put reads vLLM's blocks (or a staging
 buffer) directly; if it overruns, the request's save stays pending (vLLM keeps
 the blocks, as its delayed-free contract allows) until the put has ended.
 """
@@ -33,6 +37,7 @@ from typing import Protocol
 from ascendstore.contract import Region, Status
 from ascendstore.engine.guard import GRACE_S, BackendGuard, PendingCall, Release
 from ascendstore.engine.plan import ChunkOp, stagger
+from ascendstore.engine.watch import CallWatch, WatchedCall
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +53,12 @@ HANDOFF_S = 0.05
 MAX_RETIRED_BUFFERS = 4
 #: default bytes of queued saves per rank (a step's saves are admitted whole).
 SAVE_QUEUE_BYTES = 1 << 30
+#: how often the watchdog looks at the load thread's calls, at most (engine/watch.py).
+WATCH_TICK_S = 0.05
+
+
+class _Abandoned(Exception):
+    """Raised on a load thread whose call the watchdog gave up on: the thread ends."""
 
 #: memory lent to calls still running when their engine shut down (buffers,
 #: vLLM's KV tensors), kept alive until those calls end: a late write into freed
@@ -375,11 +386,26 @@ class TransferEngine:
         #: keys of saves now in the pool, for KV events; drained by take_landed().
         self._landed_keys: list[str] = []
         self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._run, args=(k,), name=f"{name}-{k}", daemon=True) for k in ("load", "save")
-        ]
-        for t in self._threads:
-            t.start()
+        self._name = name
+        #: which engine thread this is (the load thread's gets may be watched).
+        self._role = threading.local()
+        #: With a backend that runs calls on the caller's thread but may outlive them
+        #: (``bounded_calls`` and ``detaches_calls``), the load thread's gets go
+        #: watched: the backend may block this thread instead of handing the call to
+        #: a worker of its own, and the watchdog gives up on it at the deadline.
+        self._watch: CallWatch | None = None
+        if guard.inline and not guard.direct:
+            self._watch = CallWatch(self._abandon, min(WATCH_TICK_S, max(0.005, self.timeout_s / 20)), name)
+        self._threads: list[threading.Thread] = []
+        for k in ("load", "save"):
+            self._start_thread(k)
+
+    def _start_thread(self, kind: str) -> None:
+        t = threading.Thread(target=self._run, args=(kind,), name=f"{self._name}-{kind}", daemon=True)
+        with self._lock:
+            # (load threads whose call was given up end once it returns: forget those)
+            self._threads = [*(x for x in self._threads if x.is_alive()), t]
+        t.start()
 
     # -- loads ------------------------------------------------------------------------
     def load_now(
@@ -796,6 +822,7 @@ class TransferEngine:
     # -- the threads ------------------------------------------------------------------
     def _run(self, kind: str) -> None:
         q = self._queues[kind]
+        self._role.load_thread = kind == "load"
         while not self._stop.is_set():
             try:
                 task = q.get(timeout=0.1)
@@ -805,6 +832,8 @@ class TransferEngine:
                 break
             try:
                 self._execute(task)
+            except _Abandoned:
+                return  # the watchdog finished the task and started another load thread
             except Exception:
                 log.exception("%s task for %s failed", kind, task.req_id)
                 if kind == "load":
@@ -889,20 +918,43 @@ class TransferEngine:
         if pending is not None:
             self._collect_load(task, *pending)
 
+    def _stage_lock(self, task: _Task) -> threading.Lock | None:
+        """The load stager's lock, held; None when the task's time ran out first."""
+        while True:
+            lock = self._stage_locks["load"]
+            if not lock.acquire(timeout=max(0.0, self._time_left(task))):
+                return None
+            if lock is self._stage_locks["load"]:
+                return lock
+            # Replaced while we waited: its holder's call was abandoned, and the
+            # buffer it guarded is retired (``_abandon``). Queue on the new one.
+            lock.release()
+
     def _staged_get(self, task: _Task, batch: list[ChunkOp], stager: Stager) -> list[Status]:
         """Get into connector-owned memory, then copy what arrived in time."""
         timeout = [Status.TIMEOUT] * len(batch)
         if self._landing_full():
             return timeout  # every spare buffer is held by a stuck call: recompute
-        lock = self._stage_locks["load"]
-        if not lock.acquire(timeout=max(0.0, self._time_left(task))):
+        lock = self._stage_lock(task)
+        if lock is None:
             return timeout
         try:
             left = self._time_left(task)
             if left <= 0:
                 return timeout
-            call = self.guard.submit_get([op.key for op in batch], stager.stage_in(batch), left)
-            statuses = self.guard.result(call)
+            keys, regions = [op.key for op in batch], stager.stage_in(batch)
+            if self._watch is not None and getattr(self._role, "load_thread", False):
+                with self._watch.watching(time.monotonic() + left + GRACE_S, (task, batch, stager)) as watched:
+                    call = self.guard.submit_get(keys, regions, left)
+                    statuses = self.guard.result(call)
+                if watched.abandoned:
+                    # Too late: the watchdog failed the task and retired this buffer.
+                    # Touch neither; let go of the old lock only once it is replaced.
+                    watched.settled.wait()
+                    raise _Abandoned
+            else:
+                call = self.guard.submit_get(keys, regions, left)
+                statuses = self.guard.result(call)
             release = self.guard.hold_for(call, statuses)
             # Objects that arrived whole are safe to copy even if another key's
             # native call goes on writing its own part of the buffer.
@@ -912,6 +964,36 @@ class TransferEngine:
             return statuses
         finally:
             lock.release()
+
+    def _abandon(self, watched: WatchedCall) -> None:
+        """The watchdog gave up on a load thread's get (it overran its deadline):
+        the request's blocks fail (recompute), the landing buffer the call still
+        holds is retired until the call returns, and a new load thread takes the
+        queue. The stuck thread, when its call returns, only ends."""
+        task, batch, stager = watched.payload
+        n = len(batch)
+        log.warning("a get of %d object(s) for %s ran past its deadline on the load thread; failing the load "
+                    "(recompute) and starting another load thread", n, task.req_id)
+        self.metrics.add(timeouts=n, load_failures=n, loads_abandoned=1)
+        self.guard.observe("get", [Status.TIMEOUT] * n)
+        backend = self.guard.backend
+        # Swap the buffer under a fresh lock held meanwhile: a waiter on the old
+        # lock sees it replaced and queues here, never on the retired buffer.
+        fresh = threading.Lock()
+        fresh.acquire()
+        try:
+            self._stage_locks["load"] = fresh
+            self._retire(stager, "load", lambda: watched.returned and backend.quiescent())
+        finally:
+            fresh.release()
+            task.failed.update(b for op in task.ops for b in op.block_ids)
+            try:
+                if task.after is not None:
+                    task.after(batch, [Status.TIMEOUT] * n)
+            finally:
+                self._finish(task)
+                if not self._stop.is_set():
+                    self._start_thread("load")
 
     def _collect_load(self, task: _Task, batch: list[ChunkOp], nbytes: int, call: PendingCall, t0: float) -> None:
         try:
@@ -1100,7 +1182,11 @@ class TransferEngine:
             reqs = list(self._pending["save"])
         self.wait("save", reqs, timeout_s)
         self._stop.set()
-        for t in self._threads:
+        if self._watch is not None:
+            self._watch.close()
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
         self._reap()
         with self._lock:

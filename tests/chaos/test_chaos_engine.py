@@ -212,3 +212,157 @@ def test_random_fault_mix_never_serves_wrong_bytes_and_always_finishes():
     finally:
         eng.shutdown()
         guard.close()
+
+
+# -- a client that blocks the load thread (``detaches``, as Mooncake's gets there) --------
+
+def _wait_for(pred, timeout_s: float = 10.0, what: str = "condition") -> None:
+    end = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def _load_async(eng: TransferEngine, req: str, dev: Device, chunks: list[int], timeout_s: float) -> set[int]:
+    """An async load as the connector makes it (the load thread); its failed blocks."""
+    eng.submit_load(req, ops(dev, chunks, KEYS), deadline=time.monotonic() + timeout_s)
+    assert eng.wait("load", [req], 30.0), "an async load never finished"
+    return eng.take_results().loaded[req]
+
+
+def _wrong(dev: Device, chunks: list[int], failed: set[int]) -> int:
+    return sum(int((dev.block(i) != dev.content(c)).sum()) for i, c in enumerate(chunks) if i not in failed)
+
+
+def test_a_load_threads_get_past_its_deadline_is_given_up_and_its_late_bytes_go_nowhere():
+    """The load thread runs the get itself (no hand-off) and the client hangs there,
+    then scribbles: the watchdog fails the load while the get still hangs, the late
+    bytes land only in a retired buffer, and the next load runs on a new thread."""
+    timeout = 0.2
+    be, guard, eng = open_engine(timeout_s=timeout, detaches=True)
+    assert guard.inline and not guard.direct and eng._watch is not None
+    dev, dev2 = Device(8), Device(8)
+    chunks = list(range(8))
+    try:
+        save_all(eng, dev, chunks)
+        be.set_faults(hang_s={"get": 1.5}, late_garbage=True)
+        dev.wipe()
+        failed = _load_async(eng, "r", dev, chunks, timeout)
+        assert be.hanging == 1, "the load was not answered while its get still hung: nothing was given up"
+        assert failed == set(range(8))
+        m = guard.metrics.totals()
+        assert m["loads_abandoned"] == 1 and m["load_buffers_retired"] == 1 and m["timeouts"] == 8
+        be.set_faults(hang_s={})
+        dev2.wipe()
+        assert _load_async(eng, "r2", dev2, chunks, timeout) == set(), "the new load thread serves"
+        assert _wrong(dev2, chunks, set()) == 0
+        _wait_for(lambda: be.hanging == 0 and be.injected["late_garbage"] == 1, what="the hung get to wake")
+        assert (dev.buf == 0xEE).all(), "the late get wrote into the blocks it was given up for"
+        _wait_for(lambda: (eng._reap(), not eng._retired)[1], what="the retired buffer to come back")
+        live = [t for t in eng._threads if t.is_alive() and t.name.endswith("-load")]
+        assert len(live) == 1, f"the stuck load thread did not end once its call returned: {live}"
+        dev2.wipe()
+        assert _load_async(eng, "r3", dev2, chunks, timeout) == set() and _wrong(dev2, chunks, set()) == 0
+        report("engine_watched_get_abandoned", late_writes=be.injected["late_garbage"],
+               abandoned=m["loads_abandoned"])
+    finally:
+        be.set_faults(hang_s={}, late_garbage=False)
+        eng.shutdown(timeout_s=2)
+        guard.close()
+
+
+def test_a_get_returning_just_before_the_watchdog_is_used_and_just_after_is_not():
+    """The race the watchdog settles under one lock: whichever comes first wins.
+    Gets wake around the deadline; a load is either exact or failed, never half."""
+    timeout = 0.1
+    be, guard, eng = open_engine(timeout_s=timeout, detaches=True)
+    dev = Device(8)
+    chunks = list(range(8))
+    rng = np.random.default_rng(17)
+    outcomes = {"loaded": 0, "failed": 0}
+    try:
+        save_all(eng, dev, chunks)
+        for k in range(24):
+            # from well before the deadline to past the watchdog's grace and tick
+            hang = float(rng.uniform(0.5, 2.0) * timeout)
+            be.set_faults(hang_s={"get": hang}, late_garbage=bool(k % 2))
+            dev.wipe()
+            failed = _load_async(eng, f"r{k}", dev, chunks, timeout)
+            assert failed in (set(), set(range(8))), failed
+            assert _wrong(dev, chunks, failed) == 0, f"round {k}: hang {hang:.3f} s served wrong bytes"
+            outcomes["failed" if failed else "loaded"] += 1
+            _wait_for(lambda: be.hanging == 0)
+            assert (dev.buf[[i * BLOCK for i in failed]] == 0xEE).all(), "a given-up get wrote into the blocks"
+        be.set_faults(hang_s={}, late_garbage=False)
+        _wait_for(lambda: (eng._reap(), not eng._retired)[1], what="retired buffers to come back")
+        report("engine_watched_get_race", **outcomes, abandoned=guard.metrics.totals()["loads_abandoned"])
+        assert outcomes["loaded"] and outcomes["failed"], f"both sides of the race must be seen: {outcomes}"
+    finally:
+        be.set_faults(hang_s={}, late_garbage=False)
+        eng.shutdown(timeout_s=2)
+        guard.close()
+
+
+def test_watched_and_sync_loads_share_the_landing_buffer_safely_while_gets_hang():
+    """Async loads (watched, on load threads that may be given up) and sync loads
+    (vLLM's forward thread: the client's own hand-off) at once, gets hanging at
+    random and scribbling late: every load is exact or failed, retired buffers
+    are bounded and all come back, and stuck load threads all end."""
+    timeout = 0.1
+    be, guard, eng = open_engine(timeout_s=timeout, detaches=True, seed=23)
+    chunks = list(range(8))
+    seed_dev = Device(8)
+    errors: list[str] = []
+    counts = {"async": 0, "sync": 0, "failed": 0}
+    t_end = time.monotonic() + float(os.environ.get("ASCENDSTORE_CHAOS_SECONDS", "6"))
+    try:
+        save_all(eng, seed_dev, chunks)
+        be.set_faults(late_garbage=True)
+
+        def sync_loads() -> None:
+            dev = Device(8)
+            r = np.random.default_rng(3)
+            while time.monotonic() < t_end:
+                dev.wipe()
+                failed = eng.load_now("s", ops(dev, chunks, KEYS), deadline=time.monotonic() + timeout)
+                if _wrong(dev, chunks, failed):
+                    errors.append(f"sync load served wrong bytes (failed {sorted(failed)})")
+                counts["sync"] += 1
+                counts["failed"] += bool(failed)
+                time.sleep(float(r.uniform(0, 0.002)))
+
+        import threading
+
+        th = threading.Thread(target=sync_loads)
+        th.start()
+        rng = np.random.default_rng(29)
+        dev = Device(8)
+        k = 0
+        while time.monotonic() < t_end:
+            hang = float(rng.choice([0.0, 0.0, 0.5, 1.2, 3.0]) * timeout)
+            be.set_faults(hang_s={"get": hang} if hang else {})
+            dev.wipe()
+            failed = _load_async(eng, f"a{k}", dev, chunks, timeout)
+            if _wrong(dev, chunks, failed):
+                errors.append(f"async load {k} (hang {hang:.2f} s) served wrong bytes")
+            counts["async"] += 1
+            counts["failed"] += bool(failed)
+            k += 1
+            assert len(eng._retired) <= 4, "retired landing buffers must stay bounded"
+        th.join()
+        be.set_faults(hang_s={})
+        assert not errors, errors[:5]
+        _wait_for(lambda: be.quiescent() and be.hanging == 0, what="hung calls to end")
+        _wait_for(lambda: (eng._reap(), not eng._retired)[1], what="retired buffers to come back")
+        _wait_for(lambda: len([t for t in eng._threads if t.is_alive() and t.name.endswith("-load")]) == 1,
+                  what="stuck load threads to end")
+        dev.wipe()
+        assert _load_async(eng, "last", dev, chunks, timeout) == set() and _wrong(dev, chunks, set()) == 0
+        m = guard.metrics.totals()
+        report("engine_watched_and_sync_loads", **counts, abandoned=m["loads_abandoned"],
+               retired=m["load_buffers_retired"], detached=be.injected["detached"])
+        assert m["loads_abandoned"] > 0 and be.injected["detached"] > 0, "both paths must have been given up on"
+    finally:
+        be.set_faults(hang_s={}, late_garbage=False)
+        eng.shutdown(timeout_s=2)
+        guard.close()

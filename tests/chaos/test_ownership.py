@@ -32,6 +32,10 @@ HANG_S = 0.6
 GARBAGE = -23131
 TIMEOUT_MS = 100
 MODES = {"sync": {}, "async": {"load_async": True}, "layerwise": {"use_layerwise": True}}
+#: the same over a client that hangs like Mooncake's (``faulty`` detaches): on the
+#: engine's load thread itself, which the engine's watchdog gives up on (async,
+#: layerwise), or behind the client's own hand-off (sync loads, vLLM's thread).
+DETACHING = {f"{m}-detaches": {**kw, "detaches": True} for m, kw in MODES.items()}
 
 
 def _set(**changes) -> None:
@@ -97,11 +101,11 @@ def _read_errors(eng: EngineHarness, tags: tuple[str, ...] = ()) -> list:
     return [e for e in eng.read_errors() if not tags or e[0].startswith(tags)]
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", [*MODES, *DETACHING])
 def test_late_get_never_writes_vllm_blocks(mode):
     """Loads time out, the hung gets later write garbage: vLLM's blocks never see it."""
     name = pool_name("own-get")
-    extra = faulty_extra(name, checksum=False, timeout_ms=TIMEOUT_MS, **MODES[mode])
+    extra = faulty_extra(name, checksum=False, timeout_ms=TIMEOUT_MS, **{**MODES, **DETACHING}[mode])
     eng = EngineHarness(EngineSpec(extra_config=extra, num_blocks=96))
     try:
         ps = prompts(4, seed=11)
@@ -119,21 +123,29 @@ def test_late_get_never_writes_vllm_blocks(mode):
         for w in _workers(eng):
             w.engine._reap()
             assert not w.engine._retired, "a retired landing buffer was never given back"
+        if mode in ("async-detaches", "layerwise-detaches"):
+            # The load thread's own gets hung: the watchdog, not a hand-off, gave up on them.
+            assert stats.get("loads_abandoned", 0) >= 1, "no load thread's get was given up on"
+        elif mode == "sync-detaches":
+            assert sum(b.injected["detached"] for b in live_backends()) >= 1
         report(f"ownership_late_get_{mode}", late_writes=injected, reuse_rounds=k,
-               retired=stats.get("load_buffers_retired", 0), timeouts=stats.get("timeouts", 0))
+               retired=stats.get("load_buffers_retired", 0), timeouts=stats.get("timeouts", 0),
+               abandoned=stats.get("loads_abandoned", 0))
     finally:
         _set(hang_s={}, late_garbage=False)
         eng.close()
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", [*MODES, "async-detaches", "layerwise-detaches"])
 def test_get_answered_within_the_grace_never_loads_garbage(mode):
     """A hung get that wakes after its timeout but before the guard stops waiting
     (``GRACE_S``) and scribbles: its answer reaches the engine, and must not claim
     the garbage as loaded (the pins-on interleaving failure: a load reported OK
-    whose bytes were 0xA5)."""
+    whose bytes were 0xA5). With a detaching client, on the load thread the
+    watchdog allows the same grace; sync loads have none to test (the client's
+    own hand-off answers TIMEOUT at the timeout itself)."""
     name = pool_name("own-grace")
-    extra = faulty_extra(name, checksum=False, timeout_ms=TIMEOUT_MS, **MODES[mode])
+    extra = faulty_extra(name, checksum=False, timeout_ms=TIMEOUT_MS, **{**MODES, **DETACHING}[mode])
     eng = EngineHarness(EngineSpec(extra_config=extra, num_blocks=96))
     try:
         ps = prompts(4, seed=31)

@@ -15,6 +15,7 @@ from conftest import backend_config
 from mooncake_helpers import free_port, payload, region
 
 from ascendstore.contract import BackendContext, BackendSetupError, Status
+from ascendstore.engine import BackendGuard, ChunkOp, TransferEngine
 from ascendstore.registry import create_backend
 
 pytestmark = pytest.mark.mooncake
@@ -149,6 +150,83 @@ def test_a_stopped_master_stalls_an_inline_put_once_never_a_get(master_factory, 
     assert b.put(["stop/e"], [[region(data)]], 1.0) == [Status.OK]
     assert b.stats()["inline_calls"] == calls + 1  # inline again
     assert b.get(["stop/e"], [[region(dst)]], 1.0) == [Status.OK] and np.array_equal(dst, data)
+
+
+def test_a_stopped_master_stalls_the_load_thread_and_the_watchdog_gives_the_load_up(
+    master_factory, open_backend, monkeypatch
+) -> None:
+    """Async loads run their gets on the engine's load thread (no hand-off). With the
+    master stopped the client blocks that thread; the engine's watchdog fails the
+    load at its deadline while the native call still runs, a new load thread takes
+    the next load (which goes to a worker: an inline call is overdue), and once the
+    master is back loads are exact again. vLLM's memory never sees a late byte."""
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "2000")
+    m = master_factory()
+    b = open_backend(m, exists_cache_ttl_s=0)
+    b._guard.inline_cooldown_s = 1.0
+    obj, n, timeout = 64 << 10, 8, 0.3
+    data = payload(610, n * obj)
+    kv = np.zeros_like(data)  # stands in for vLLM's host KV blocks
+    keys = [f"watch/{i}" for i in range(n)]
+    assert b.put(keys, [[region(data, i * obj, obj)] for i in range(n)], 2.0) == [Status.OK] * n
+    guard = BackendGuard(b, timeout)
+    eng = TransferEngine(guard)
+    assert eng._watch is not None, "a detaching backend's loads must be watched"
+    chunk_ops = [ChunkOp(k, [region(kv, i * obj, obj)], [i]) for i, k in enumerate(keys)]
+
+    def load(req: str) -> set[int]:
+        eng.submit_load(req, chunk_ops, deadline=time.monotonic() + timeout)
+        assert eng.wait("load", [req], 30.0)
+        return eng.take_results().loaded[req]
+
+    try:
+        calls = b.stats()["inline_calls"]
+        assert load("r0") == set() and np.array_equal(kv, data)
+        assert b.stats()["inline_calls"] == calls + 1, "a healthy async load's get runs on the load thread"
+        kv[:] = 0
+        m.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert load("r1") == set(range(n))
+            assert b.stats()["inflight_calls"] >= 1, "answered only once the native call ended: nothing was given up"
+            assert guard.metrics.totals()["loads_abandoned"] == 1
+            calls = b.stats()["inline_calls"]
+            assert load("r2") == set(range(n))  # the new load thread; the store is not healthy
+            assert guard.metrics.totals()["loads_abandoned"] == 1, "the next get must keep its deadline on a worker"
+        finally:
+            m.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 15
+        while b.stats()["inflight_calls"]:  # the stalled calls end on the client's own timeout
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert not kv.any(), "a late get wrote into the blocks its load was given up for"
+        eng._reap()
+        assert not eng._retired, "the retired landing buffer was not given back once its call ended"
+        deadline = time.monotonic() + 15
+        while (failed := load("r3")) != set():
+            assert time.monotonic() < deadline, failed
+            time.sleep(0.2)
+        assert np.array_equal(kv, data)
+    finally:
+        eng.shutdown(timeout_s=2)
+        guard.close()
+
+
+def test_only_watched_gets_run_on_the_callers_thread_and_inline_gets_false_turns_them_off(open_backend) -> None:
+    from ascendstore.contract import watched_caller
+
+    data = payload(620, 64 << 10)
+    dst = np.zeros_like(data)
+    for inline_gets in (True, False):
+        b = open_backend(inline_gets=inline_gets)
+        assert b.put(["watched/a"], [[region(data)]], 2.0) == [Status.OK]
+        calls = b.stats()["inline_calls"]
+        assert b.get(["watched/a"], [[region(dst)]], 2.0) == [Status.OK]
+        assert b.stats()["inline_calls"] == calls, "an unwatched get (vLLM's forward thread) must keep the hand-off"
+        with watched_caller():
+            assert b.get(["watched/a"], [[region(dst)]], 2.0) == [Status.OK]
+        assert b.stats()["inline_calls"] == calls + inline_gets
+        assert np.array_equal(dst, data)
+        b.remove(["watched/a"], 2.0)
 
 
 CHILD = textwrap.dedent(

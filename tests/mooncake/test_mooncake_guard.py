@@ -167,6 +167,24 @@ def test_an_inline_call_past_its_deadline_answers_truly_then_calls_go_to_workers
     assert g.close(1.0)
 
 
+def test_no_inline_call_while_another_inline_call_is_past_its_deadline() -> None:
+    # A load thread stuck in an inline get (the engine's watchdog gave up on it and
+    # started another thread): the next thread's call must not stick there too.
+    g = NativeGuard(2, inline_cooldown_s=0.0)  # (no cool-down after it: only the overdue call counts)
+    release, started = threading.Event(), threading.Event()
+    t = threading.Thread(target=lambda: g.call(lambda: started.set() or release.wait(5), 0.05, inline=True))
+    t.start()
+    assert started.wait(5)
+    assert _where(g) == (Outcome.DONE, threading.get_ident()), "within its deadline the store still looks healthy"
+    time.sleep(0.1)  # the stuck call is now past its deadline
+    outcome, tid = _where(g)
+    assert outcome is Outcome.DONE and tid != threading.get_ident(), "ran inline beside an overdue inline call"
+    release.set()
+    t.join(5)
+    assert _where(g) == (Outcome.DONE, threading.get_ident())  # it ended: inline again
+    assert g.close(1.0)
+
+
 def test_inline_calls_and_close() -> None:
     g = NativeGuard(2)
     started = threading.Event()

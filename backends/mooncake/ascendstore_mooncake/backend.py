@@ -32,6 +32,7 @@ from ascendstore.contract import (
     Health,
     Region,
     Status,
+    caller_is_watched,
 )
 from ascendstore_mooncake.errors import OBJECT_NOT_FOUND, TRANSFER_FAIL, status_of
 from ascendstore_mooncake.guard import NativeGuard, Outcome
@@ -139,7 +140,7 @@ class MooncakeBackend(Backend):
         if "setup_retries" in opts.model_fields_set or "MC_STORE_CLIENT_SETUP_RETRIES" not in os.environ:
             os.environ["MC_STORE_CLIENT_SETUP_RETRIES"] = str(opts.setup_retries)
 
-        self._guard = NativeGuard(opts.max_inflight_calls, allow_inline=opts.inline_puts)
+        self._guard = NativeGuard(opts.max_inflight_calls, allow_inline=opts.inline_puts or opts.inline_gets)
         self._close_lock = threading.Lock()
         self._exists_cache: dict[str, float] = {}
         self._cache_lock = threading.Lock()
@@ -268,25 +269,40 @@ class MooncakeBackend(Backend):
             for k in keys:
                 self._exists_cache.pop(k, None)
 
-    def _plan(
+    def _arguments(
         self, keys: Sequence[str], regions: Sequence[Sequence[Region]]
-    ) -> tuple[list[Status | None], list[int]]:
-        """Per-key INVALID for what Mooncake would reject; indexes of keys to send."""
-        out: list[Status | None] = [None] * len(keys)
-        send = []
+    ) -> tuple[list[Status | None], list[int], list[str], list[list[int]], list[list[int]], list[int]]:
+        """Per-key INVALID for what Mooncake would reject, and the client's
+        arguments, in one pass (per-key Python is a sizeable share of a small
+        get): indexes sent, and their names, addresses, lengths and totals."""
         if len(keys) != len(regions):
             raise ValueError(f"{len(keys)} keys but {len(regions)} region lists")
+        out: list[Status | None] = [None] * len(keys)
+        send: list[int] = []
+        names: list[str] = []
+        ptrs: list[list[int]] = []
+        sizes: list[list[int]] = []
+        totals: list[int] = []
         limit = self._caps.max_object_bytes
         max_key = self._caps.max_key_bytes
-        for i, (k, rs) in enumerate(zip(keys, regions, strict=True)):
-            total = 0
-            for r in rs:  # a plain loop: this runs per key of every call
-                total += r.length
-            if not k or not k.isascii() or len(k) > max_key or not rs or total == 0 or total > limit:
-                out[i] = Status.INVALID
+        for i, k in enumerate(keys):
+            rs = regions[i]
+            if len(rs) == 1:  # the usual shape: one region per object
+                r = rs[0]
+                p, length = [r.addr], [r.length]
+                total = r.length
             else:
-                send.append(i)
-        return out, send
+                p, length = [r.addr for r in rs], [r.length for r in rs]
+                total = sum(length)
+            if not k or not k.isascii() or len(k) > max_key or total == 0 or total > limit:
+                out[i] = Status.INVALID
+                continue
+            send.append(i)
+            names.append(k)
+            ptrs.append(p)
+            sizes.append(length)
+            totals.append(total)
+        return out, send, names, ptrs, sizes, totals
 
     # -- memory ----------------------------------------------------------------------
 
@@ -386,12 +402,9 @@ class MooncakeBackend(Backend):
         return [Status.OK if self._key_ok(k) else Status.INVALID for k in keys]
 
     def put(self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float) -> list[Status]:
-        out, send = self._plan(keys, regions)
+        out, send, names, ptrs, sizes, _ = self._arguments(keys, regions)
         if not send:
             return _filled(out, Status.INVALID)
-        names = [keys[i] for i in send]
-        ptrs = [[r.addr for r in regions[i]] for i in send]
-        sizes = [[r.length for r in regions[i]] for i in send]
         cfg = self._replicate
 
         def late(codes: Any) -> None:
@@ -407,7 +420,8 @@ class MooncakeBackend(Backend):
         # Puts come from the engine's save thread, which nothing waits on: run there
         # while the store is healthy (guard.py; options.inline_puts).
         status, codes = self._guarded(
-            lambda st: st.batch_put_from_multi_buffers(names, ptrs, sizes, cfg), timeout_s, late, inline=True
+            lambda st: st.batch_put_from_multi_buffers(names, ptrs, sizes, cfg), timeout_s, late,
+            inline=self.options.inline_puts,
         )
         if status is None and len(send) == len(out) and type(codes) is list and codes.count(0) == len(out) == len(codes):
             return [Status.OK] * len(out)  # the usual answer, without a pass per key
@@ -417,17 +431,15 @@ class MooncakeBackend(Backend):
         return _filled(out, Status.UNAVAILABLE)
 
     def get(self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float) -> list[Status]:
-        out, send = self._plan(keys, regions)
+        out, send, names, ptrs, sizes, totals = self._arguments(keys, regions)
         if not send:
             return _filled(out, Status.INVALID)
-        names = [keys[i] for i in send]
-        ptrs = [[r.addr for r in regions[i]] for i in send]
-        sizes = [[r.length for r in regions[i]] for i in send]
-        totals = [sum(s) for s in sizes]
         same_node = self.options.prefer_alloc_in_same_node
 
         def fn(st: Any) -> list[int]:
             codes = list(st.batch_get_into_multi_buffers(names, ptrs, sizes, same_node))
+            if TRANSFER_FAIL not in codes:
+                return codes
             # Regions larger than the object make Mooncake report a transfer failure;
             # tell that apart from a real one (only on this failure path: get_size
             # is another master round trip).
@@ -440,7 +452,9 @@ class MooncakeBackend(Backend):
                         codes[j] = OBJECT_NOT_FOUND
             return codes
 
-        status, codes = self._guarded(fn, timeout_s)
+        # On a thread the engine watches (its load thread), run on that thread: the
+        # engine gives up on an overrun itself and keeps the buffer out of use.
+        status, codes = self._guarded(fn, timeout_s, inline=self.options.inline_gets and caller_is_watched())
         if status is None and len(send) == len(out) and codes == totals:
             return [Status.OK] * len(out)  # every object whole (codes are byte counts), the usual answer
         missing = []

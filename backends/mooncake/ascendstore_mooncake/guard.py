@@ -9,14 +9,17 @@ may still finish later; ``on_late`` lets the backend undo what such a call did.
 After ``close`` no native call starts again (Mooncake crashes when used after
 close or after a failed set-up).
 
-Handing a call to a thread costs the caller a sleep and a wake-up (~60 us of
-wall time per 32 x 64 KiB batch on a 2-core VM, a quarter of the call). A
-caller that may block for as long as the client does (the backend's puts,
-which only the engine's save thread makes) can ask for ``inline``: the call
-then runs on its own thread and is never abandoned. Inline calls stop for
-``inline_cooldown_s`` after one that overran its deadline anyway, and while
-any call is still on a worker (a slow or stuck native call: the store is not
-healthy); those go to the workers as usual.
+Handing a call to a thread costs the caller a sleep and a wake-up (~40 us of
+wall time per 32 x 64 KiB batch on a 2-core VM, a fifth of the call). A
+caller that may block for as long as the client does can ask for ``inline``:
+the call then runs on its own thread and this guard never abandons it. The
+backend asks for it for puts (only the engine's save thread makes them) and
+for gets on a thread the engine watches (its load thread: the engine's
+watchdog gives up on an overrun get itself). Inline calls stop for
+``inline_cooldown_s`` after one that overran its deadline anyway, while any
+call is still on a worker, and while another inline call is past its deadline
+(a slow or stuck native call: the store is not healthy); those go to the
+workers as usual.
 """
 
 from __future__ import annotations
@@ -79,6 +82,8 @@ class NativeGuard:
         self.allow_inline = allow_inline
         self.inline_cooldown_s = inline_cooldown_s
         self._inline_off_until = 0.0
+        #: inline calls running now: thread ident -> deadline
+        self._inline_running: dict[int, float] = {}
         self.inline_calls = 0
         self.inline_overruns = 0
         self._queue: queue.SimpleQueue[_Call | object] = queue.SimpleQueue()
@@ -152,24 +157,35 @@ class NativeGuard:
             return False
         # No call of ours still on a worker: one there is slow, stuck, or a clean-up.
         # Read without the lock: a stale view only sends one call down the other path.
-        return self._idle_workers == len(self._threads)
+        if self._idle_workers != len(self._threads):
+            return False
+        # Nor an inline call past its deadline (a stuck client: the next would stick too).
+        return not self._inline_running or all(d >= now for d in list(self._inline_running.values()))
 
     def _call_inline(self, fn: Callable[[], T], timeout_s: float, started: float) -> tuple[Outcome, T | None]:
-        if not self._enter(None):
-            return Outcome.CLOSED, None
+        ident = _thread.get_ident()
+        # One lock round on each side of the call: this path exists to be cheap.
+        with self._lock:
+            if self._closed:
+                return Outcome.CLOSED, None
+            self._inflight += 1
+            self._inline_running[ident] = started + timeout_s
         try:
             result = fn()
         finally:
-            self._leave()
-        ended = time.monotonic()
-        overran = ended - started > timeout_s
-        with self._lock:  # callers on several threads
-            self.inline_calls += 1
-            if overran:
-                # Blocked past the deadline by the client itself: the answer is still true
-                # (the memory was never left behind), but the store is not healthy.
-                self.inline_overruns += 1
-                self._inline_off_until = ended + self.inline_cooldown_s
+            ended = time.monotonic()
+            overran = ended - started > timeout_s
+            with self._lock:  # callers on several threads
+                self._inflight -= 1
+                del self._inline_running[ident]
+                self.inline_calls += 1
+                if overran:
+                    # Blocked past the deadline by the client itself: the answer is still true
+                    # (the memory was never left behind), but the store is not healthy.
+                    self.inline_overruns += 1
+                    self._inline_off_until = ended + self.inline_cooldown_s
+                if self._closed:
+                    self._idle.notify_all()  # close() waits for the last call
         if overran:
             log.warning("mooncake: a native call ran %.2f s past its %.2f s deadline on the caller's thread; "
                         "calls go to worker threads for %.0f s", ended - started - timeout_s, timeout_s,

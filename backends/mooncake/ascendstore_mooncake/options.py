@@ -126,7 +126,14 @@ class MooncakeOptions(BackendOptions):
         True,
         description="run puts on the calling thread (the engine's save thread) while the store is healthy, "
         "saving a thread hand-off per call; a put then returns when Mooncake does (up to 60 s in a "
-        "stall) instead of at its deadline; gets, exists and removes always keep the deadline",
+        "stall) instead of at its deadline; exists and removes always keep the deadline",
+    )
+    inline_gets: Bool = Field(
+        True,
+        description="run gets of the engine's load thread (async and layerwise loads) on that thread while the "
+        "store is healthy, saving a thread hand-off per call; the engine's watchdog gives up on one that "
+        "overruns its deadline (the load is recomputed); gets from vLLM's forward thread (sync loads) keep "
+        "the hand-off",
     )
     close_timeout_s: float = Field(10.0, gt=0, description="bound on close()")
     force_remove: Bool = Field(
