@@ -9,7 +9,9 @@
    wrapping them; CPU time of the scheduler's thread, since the harness runs the
    worker's save thread in the same process). Each engine instance gives one
    ratio (sums over its steady steps); the figure is the median over fresh
-   instances, whose levels differ by a few percent. Goal: <= 0.10.
+   instances, whose levels differ by a few percent, spread over fresh
+   processes, whose levels differ by up to a quarter (one process's median did
+   not reproduce in the next run). Goal: <= 0.10.
 
     .venv/bin/python bench/bench_connector.py [--backend local] [--quick] [--json]
 """
@@ -18,8 +20,11 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -179,17 +184,43 @@ def _scheduler_run(backend: str, num_requests: int, steps: int) -> tuple[int, li
         eng.close()
 
 
-def scheduler_ratio(backend: str, num_requests: int, steps: int, engines: int) -> dict[str, Any]:
+_IN_PROCESS = (
+    "import json, sys; sys.path.insert(0, {here!r}); import torch; torch.set_num_threads(1); "
+    "import bench_connector as b; "
+    "print('RUNS', json.dumps([b._scheduler_run({backend!r}, {n}, {steps}) for _ in range({k})]))"
+)
+
+
+def _runs_in_processes(backend: str, num_requests: int, steps: int, engines: int, procs: int
+                       ) -> list[tuple[int, list[tuple[float, float]]]]:
+    """``engines`` instances spread over ``procs`` fresh processes, one after the other."""
+    runs: list[tuple[int, list[tuple[float, float]]]] = []
+    for i in range(procs):
+        k = engines // procs + (i < engines % procs)
+        code = _IN_PROCESS.format(here=str(Path(__file__).resolve().parent), backend=backend, n=num_requests,
+                                  steps=steps, k=k)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        line = [ln for ln in out.splitlines() if ln.startswith("RUNS ")][-1]
+        runs += [(n, [(a, c) for a, c in steps_]) for n, steps_ in json.loads(line[5:])]
+    return runs
+
+
+def scheduler_ratio(backend: str, num_requests: int, steps: int, engines: int, procs: int = 1) -> dict[str, Any]:
     """Connector time over schedule() time: one ratio per fresh engine instance, the median of those.
 
     ``steps`` should cover whole chunk periods after the 3 warm-up steps (every running
-    request reaches a chunk boundary once per period, so steps differ by phase)."""
-    runs = [_scheduler_run(backend, num_requests, steps) for _ in range(engines)]
+    request reaches a chunk boundary once per period, so steps differ by phase).
+    ``procs`` > 1 spreads the instances over that many fresh processes."""
+    if procs > 1:
+        runs = _runs_in_processes(backend, num_requests, steps, engines, procs)
+    else:
+        runs = [_scheduler_run(backend, num_requests, steps) for _ in range(engines)]
     steady = [s for _, run in runs for s in run]
     per_engine = [sum(c for _, c in run) / sum(s for s, _ in run) for _, run in runs]
     sched_t = statistics.median(s for s, _ in steady)
     conn_t = statistics.median(c for _, c in steady)
-    return {"running": runs[-1][0], "engines": engines, "steps": steps, "clock": "thread " + CLOCK_NAME,
+    return {"running": runs[-1][0], "engines": engines, "processes": procs, "steps": steps,
+            "clock": "thread " + CLOCK_NAME,
             "schedule_ms": sched_t * 1e3, "connector_ms": conn_t * 1e3,
             "ratio": stat(per_engine).as_dict(),
             "ratio_vs_rest": conn_t / max(sched_t - conn_t, 1e-9),
@@ -212,9 +243,10 @@ def main(backend: str = "local", quick: bool = False, as_json: bool = typer.Opti
     # 192 x 512 KiB, 48 x 2 MiB, a small step of 64 x 512 KiB, and 64 x 4 MiB (128-token blocks)
     transfers = [transfer_ratio(backend, n, rounds, 1), transfer_ratio(backend, n // 4, rounds, 4),
                  transfer_ratio(backend, 64, rounds, 1), transfer_ratio(backend, 64, rounds, 1, block_size=128)]
-    # 3 warm-up steps + two 16-step chunk periods per engine; 25 engines (3 with --quick):
-    # per-engine levels differ by up to 2x on this VM (~30 us of work per step), so many of them
-    s = scheduler_ratio(backend, 256, 35, 3 if quick else 25)
+    # 3 warm-up steps + two 16-step chunk periods per engine; 24 engines in 8 processes (3 in
+    # this one with --quick): per-engine levels differ by up to 2x on this VM (~30 us of work
+    # per step), per-process ones by up to a quarter, so many of both
+    s = scheduler_ratio(backend, 256, 35, 3 if quick else 24, 1 if quick else 8)
     out = {"transfer": transfers, "scheduler": s, "rounds": rounds, "env_before": env0, "env_after": env_info()}
     if as_json:
         print(json.dumps(out, indent=2))
@@ -229,7 +261,8 @@ def main(backend: str = "local", quick: bool = False, as_json: bool = typer.Opti
             shape = f"{t['objects']} x {t['object_bytes'] / 1024:.0f} KiB ({t['blocks_per_chunk']} x {t['block_size']}-token blk)"
             tab.add_row(op, shape, _fmt(t["gbps"][f"conn {op}"]), _fmt(t["gbps"][f"raw {op}"]), _fmt(t["ratio"][op]))
     c.print(tab)
-    tab = Table(title=f"scheduler side, {s['running']} running requests, {s['engines']} engine instances, "
+    tab = Table(title=f"scheduler side, {s['running']} running requests, {s['engines']} engine instances in "
+                f"{s['processes']} process(es), "
                 f"CPU time of the scheduler's thread")
     for col in ("schedule() ms", "connector ms", "connector / schedule() per engine (goal <= 0.10)", "per step"):
         tab.add_column(col)
