@@ -160,7 +160,7 @@ def test_a_stopped_master_stalls_the_load_thread_and_the_watchdog_gives_the_load
     load at its deadline while the native call still runs, a new load thread takes
     the next load (which goes to a worker: an inline call is overdue), and once the
     master is back loads are exact again. vLLM's memory never sees a late byte."""
-    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "2000")
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "3000")  # the stall: 10x the load's deadline
     m = master_factory()
     b = open_backend(m, exists_cache_ttl_s=0)
     b._guard.inline_cooldown_s = 1.0
