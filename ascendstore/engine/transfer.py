@@ -53,7 +53,7 @@ HANDOFF_S = 0.05
 MAX_RETIRED_BUFFERS = 4
 #: default bytes of queued saves per rank (a step's saves are admitted whole).
 SAVE_QUEUE_BYTES = 1 << 30
-#: how often the watchdog looks at the load thread's calls, at most (engine/watch.py).
+#: the watchdog's longest interval between looks at the load thread's calls (engine/watch.py).
 WATCH_TICK_S = 0.05
 
 
