@@ -15,6 +15,7 @@ from chaos_helpers import KiB, MiB, faulty_config, local_config, pool_name, repo
 from ascendstore.chaos import FaultyBackend
 from ascendstore.contract import BackendContext, Region
 from ascendstore.engine import BackendGuard, ChunkOp, KeyBuilder, PoolLookup, TransferEngine
+from ascendstore.engine.transfer import PIPELINE_BYTES, HostBounce
 from ascendstore.keys import RankPart
 from ascendstore.registry import create_backend
 
@@ -270,6 +271,48 @@ def test_a_load_threads_get_past_its_deadline_is_given_up_and_its_late_bytes_go_
     finally:
         be.set_faults(hang_s={}, late_garbage=False)
         eng.shutdown(timeout_s=2)
+        guard.close()
+
+
+class SlowCommit(HostBounce):
+    """The engine's landing buffer, copying into the blocks only after a pause: it
+    holds open the window in which a late get could write a buffer in use."""
+
+    pause_s = 0.0
+
+    def commit_in(self, ops, ok) -> None:
+        time.sleep(self.pause_s)
+        super().commit_in(ops, ok)
+
+
+def test_a_given_up_gets_late_write_never_reaches_the_next_load_through_the_buffer():
+    """The next load lands in the buffer and copies out only after the given-up get
+    wakes and scribbles: with the buffer retired it copies its own bytes; were the
+    old buffer reused, it would copy the scribble into its blocks."""
+    timeout = 0.2
+    be, guard, saver = open_engine(timeout_s=timeout, detaches=True)
+    stager = SlowCommit(PIPELINE_BYTES)
+    eng = TransferEngine(guard, stager=stager)  # (a stager takes saves too: the other engine saves)
+    dev, dev2 = Device(8), Device(8)
+    chunks = list(range(8))
+    try:
+        save_all(saver, dev, chunks)
+        be.set_faults(hang_s={"get": 1.0}, late_garbage=True)
+        dev.wipe()
+        assert _load_async(eng, "r", dev, chunks, timeout) == set(range(8))
+        assert be.hanging == 1
+        be.set_faults(hang_s={})
+        stager.pause_s = 1.5  # the next load copies out after the hung get has woken
+        dev2.wipe()
+        eng.submit_load("r2", ops(dev2, chunks, KEYS), deadline=time.monotonic() + 5.0)
+        assert eng.wait("load", ["r2"], 30.0)
+        assert be.injected["late_garbage"] == 1, "the hung get had not scribbled before the copy: no proof"
+        failed = eng.take_results().loaded["r2"]
+        assert failed == set() and _wrong(dev2, chunks, failed) == 0, "the next load copied the late get's bytes"
+    finally:
+        be.set_faults(hang_s={}, late_garbage=False)
+        eng.shutdown(timeout_s=2)
+        saver.shutdown(timeout_s=2)
         guard.close()
 
 
