@@ -231,6 +231,16 @@ def _load_async(eng: TransferEngine, req: str, dev: Device, chunks: list[int], t
     return eng.take_results().loaded[req]
 
 
+def _given_up_load(eng: TransferEngine, be: FaultyBackend, dev: Device, chunks: list[int], timeout_s: float,
+                   hang_s: float) -> None:
+    """An async load whose get hangs ``hang_s`` and then scribbles: failed whole,
+    and answered while the get still hangs (the watchdog gave up on it)."""
+    be.set_faults(hang_s={"get": hang_s}, late_garbage=True)
+    dev.wipe()
+    assert _load_async(eng, "r", dev, chunks, timeout_s) == set(range(len(chunks)))
+    assert be.hanging == 1, "the load was not answered while its get still hung: nothing was given up"
+
+
 def _wrong(dev: Device, chunks: list[int], failed: set[int]) -> int:
     return sum(int((dev.block(i) != dev.content(c)).sum()) for i, c in enumerate(chunks) if i not in failed)
 
@@ -248,11 +258,7 @@ def test_a_load_threads_get_past_its_deadline_is_given_up_and_its_late_bytes_go_
         save_all(eng, dev, chunks)
         # (the hang is long against the deadline, so that "answered while it still
         # hung" holds on a loaded machine too)
-        be.set_faults(hang_s={"get": 3.0}, late_garbage=True)
-        dev.wipe()
-        failed = _load_async(eng, "r", dev, chunks, timeout)
-        assert be.hanging == 1, "the load was not answered while its get still hung: nothing was given up"
-        assert failed == set(range(8))
+        _given_up_load(eng, be, dev, chunks, timeout, 3.0)
         m = guard.metrics.totals()
         assert m["loads_abandoned"] == 1 and m["load_buffers_retired"] == 1 and m["timeouts"] == 8
         be.set_faults(hang_s={})
@@ -297,10 +303,7 @@ def test_a_given_up_gets_late_write_never_reaches_the_next_load_through_the_buff
     chunks = list(range(8))
     try:
         save_all(saver, dev, chunks)
-        be.set_faults(hang_s={"get": 1.0}, late_garbage=True)
-        dev.wipe()
-        assert _load_async(eng, "r", dev, chunks, timeout) == set(range(8))
-        assert be.hanging == 1
+        _given_up_load(eng, be, dev, chunks, timeout, 1.0)
         be.set_faults(hang_s={})
         stager.pause_s = 1.5  # the next load copies out after the hung get has woken
         dev2.wipe()
