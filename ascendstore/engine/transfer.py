@@ -31,6 +31,7 @@ import threading
 import time
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -943,18 +944,16 @@ class TransferEngine:
             if left <= 0:
                 return timeout
             keys, regions = [op.key for op in batch], stager.stage_in(batch)
-            if self._watch is not None and getattr(self._role, "load_thread", False):
-                with self._watch.watching(time.monotonic() + left + GRACE_S, (task, batch, stager)) as watched:
-                    call = self.guard.submit_get(keys, regions, left)
-                    statuses = self.guard.result(call)
-                if watched.abandoned:
-                    # Too late: the watchdog failed the task and retired this buffer.
-                    # Touch neither; let go of the old lock only once it is replaced.
-                    watched.settled.wait()
-                    raise _Abandoned
-            else:
+            watch = (self._watch.watching(time.monotonic() + left + GRACE_S, (task, batch, stager))
+                     if self._watch is not None and getattr(self._role, "load_thread", False) else nullcontext())
+            with watch as watched:
                 call = self.guard.submit_get(keys, regions, left)
                 statuses = self.guard.result(call)
+            if watched is not None and watched.abandoned:
+                # Too late: the watchdog failed the task and retired this buffer.
+                # Touch neither; let go of the old lock only once it is replaced.
+                watched.settled.wait()
+                raise _Abandoned
             release = self.guard.hold_for(call, statuses)
             # Objects that arrived whole are safe to copy even if another key's
             # native call goes on writing its own part of the buffer.

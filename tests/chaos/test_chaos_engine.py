@@ -6,6 +6,7 @@ content, so every byte a load claims to have delivered is checked."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -378,8 +379,6 @@ def test_watched_and_sync_loads_share_the_landing_buffer_safely_while_gets_hang(
                 counts["sync"] += 1
                 counts["failed"] += bool(failed)
                 time.sleep(float(r.uniform(0, 0.002)))
-
-        import threading
 
         th = threading.Thread(target=sync_loads)
         th.start()

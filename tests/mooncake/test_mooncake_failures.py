@@ -14,7 +14,7 @@ import pytest
 from conftest import backend_config
 from mooncake_helpers import free_port, payload, region
 
-from ascendstore.contract import BackendContext, BackendSetupError, Status
+from ascendstore.contract import BackendContext, BackendSetupError, Status, watched_caller
 from ascendstore.engine import BackendGuard, ChunkOp, TransferEngine
 from ascendstore.registry import create_backend
 
@@ -212,8 +212,6 @@ def test_a_stopped_master_stalls_the_load_thread_and_the_watchdog_gives_the_load
 
 
 def test_only_watched_gets_run_on_the_callers_thread_and_inline_gets_false_turns_them_off(open_backend) -> None:
-    from ascendstore.contract import watched_caller
-
     data = payload(620, 64 << 10)
     dst = np.zeros_like(data)
     for inline_gets in (True, False):
