@@ -939,20 +939,22 @@ class TransferEngine:
         lock = self._stage_lock(task)
         if lock is None:
             return timeout
+        watched: WatchedCall | None = None
         try:
+            # Again under the lock: while we waited, the holder's call may have been
+            # given up and its buffer retired (the bound counted before is stale).
             left = self._time_left(task)
-            if left <= 0:
+            if left <= 0 or self._landing_full():
                 return timeout
             keys, regions = [op.key for op in batch], stager.stage_in(batch)
-            watch = (self._watch.watching(time.monotonic() + left + GRACE_S, (task, batch, stager))
+            watch = (self._watch.watching(time.monotonic() + left + GRACE_S, (task, batch, stager, lock))
                      if self._watch is not None and getattr(self._role, "load_thread", False) else nullcontext())
             with watch as watched:
                 call = self.guard.submit_get(keys, regions, left)
                 statuses = self.guard.result(call)
             if watched is not None and watched.abandoned:
                 # Too late: the watchdog failed the task and retired this buffer.
-                # Touch neither; let go of the old lock only once it is replaced.
-                watched.settled.wait()
+                # Touch neither.
                 raise _Abandoned
             release = self.guard.hold_for(call, statuses)
             # Objects that arrived whole are safe to copy even if another key's
@@ -962,14 +964,19 @@ class TransferEngine:
                 self._retire(stager, "load", release)
             return statuses
         finally:
-            lock.release()
+            if watched is not None and watched.abandoned:
+                # ``_abandon`` let go of this lock for us once the buffer was swapped
+                # (so waiters did not wait out this call); wait until it has.
+                watched.settled.wait()
+            else:
+                lock.release()
 
     def _abandon(self, watched: WatchedCall) -> None:
         """The watchdog gave up on a load thread's get (it overran its deadline):
         the request's blocks fail (recompute), the landing buffer the call still
         holds is retired until the call returns, and a new load thread takes the
         queue. The stuck thread, when its call returns, only ends."""
-        task, batch, stager = watched.payload
+        task, batch, stager, old = watched.payload
         n = len(batch)
         log.warning("a get of %d object(s) for %s ran past its deadline on the load thread; failing the load "
                     "(recompute) and starting another load thread", n, task.req_id)
@@ -985,6 +992,11 @@ class TransferEngine:
             self._retire(stager, "load", lambda: watched.returned and backend.quiescent())
         finally:
             fresh.release()
+            # The stuck thread holds the old lock until its call returns, maybe for
+            # the client's own 30-60 s; its waiters (a sync load on vLLM's forward
+            # thread) must not wait that out. A ``Lock`` may be released by any
+            # thread; the stuck thread, seeing itself abandoned, leaves it alone.
+            old.release()
             task.failed.update(b for op in task.ops for b in op.block_ids)
             try:
                 if task.after is not None:

@@ -413,3 +413,55 @@ def test_watched_and_sync_loads_share_the_landing_buffer_safely_while_gets_hang(
         be.set_faults(hang_s={}, late_garbage=False)
         eng.shutdown(timeout_s=2)
         guard.close()
+
+
+def test_a_sync_load_queued_behind_a_given_up_get_moves_on_and_keeps_the_retired_bound():
+    """Three landing buffers are retired (stuck gets); a fourth get hangs holding
+    the stage lock while a sync load (vLLM's forward thread) waits for that lock.
+    The watchdog gives the fourth up and retires its buffer, which reaches the
+    bound of 4. The waiting sync load must go on at once, not wait out the stuck
+    call, and fail without a call of its own (a fifth stuck buffer). It used to do
+    both: check the bound only before it waited, and wait for the old lock."""
+    # A backend timeout long enough that the sync load's wait for the lock (bounded
+    # by it) outlasts the fourth get's hang; the async loads' own deadlines are short.
+    timeout, short = 2.0, 0.1
+    be, guard, eng = open_engine(timeout_s=timeout, detaches=True)
+    dev, sdev = Device(8), Device(8)
+    chunks = list(range(8))
+    out: dict = {}
+
+    def sync_load() -> None:
+        out["failed"] = eng.load_now("s", ops(sdev, chunks, KEYS), deadline=time.monotonic() + 4.0)
+
+    try:
+        save_all(eng, dev, chunks)
+        be.set_faults(hang_s={"get": 5.0})  # longer than the test's steps: none of these comes back meanwhile
+        for k in range(3):
+            assert _load_async(eng, f"r{k}", dev, chunks, short) == set(range(8))
+        assert len(eng._retired) == 3 and be.hanging == 3
+        # given up at ~0.35 s (deadline, grace, a tick), returns at 1.2 s
+        be.set_faults(hang_s={"get": 1.2})
+        eng.submit_load("r3", ops(dev, chunks, KEYS), deadline=time.monotonic() + 0.3)
+        _wait_for(lambda: be.hanging == 4, what="the fourth get to hang holding the stage lock")
+        be.set_faults(hang_s={"get": 5.0})  # what a call by the sync load would do
+        handed_off = be.injected["detached"]  # the sync load's call would be the next
+        th = threading.Thread(target=sync_load)
+        th.start()  # passes the bound's first check (3 retired) and waits for the lock
+        assert eng.wait("load", ["r3"], 30.0)
+        assert eng.take_results().loaded["r3"] == set(range(8)), "the fourth get was not given up"
+        th.join(30)
+        assert out["failed"] == set(range(8)), "with every spare buffer held by a stuck call the sync load fails"
+        # It went on when the fourth get was given up (at ~0.35 s), not when that get
+        # returned (1.2 s; its buffer could then be freed and a call of its own be made).
+        assert be.injected["detached"] == handed_off, "the sync load waited out the given-up get, then made a call"
+        assert be.hanging == 4, "the sync load made a call into a fifth landing buffer"
+        assert len(eng._retired) == 4, f"{len(eng._retired)} retired landing buffers: the bound is 4"
+        be.set_faults(hang_s={})
+        _wait_for(lambda: be.hanging == 0, what="the stuck gets to return")
+        _wait_for(lambda: (eng._reap(), not eng._retired)[1], what="the retired buffers to come back")
+        sdev.wipe()
+        assert _load_async(eng, "last", sdev, chunks, short) == set() and _wrong(sdev, chunks, set()) == 0
+    finally:
+        be.set_faults(hang_s={})
+        eng.shutdown(timeout_s=2)
+        guard.close()
