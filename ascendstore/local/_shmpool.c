@@ -1695,6 +1695,65 @@ static int spill_ahead(Pool *p, batch_t *b, double deadline) {
 }
 
 /* Put (or promote, when items carry cond_version). */
+/* Give a batch's reservations its pages in ascending order, object after object
+ * (lock held; the pages are this batch's own). A get of the same keys in the
+ * same order (a request's chunks, saved together and loaded together) then reads
+ * the arena as one forward stream. The free list is LIFO, so without this every
+ * overwrite or eviction of a batch hands its pages to the next batch in reverse:
+ * 64 KiB objects read in reverse or scattered page order measured ~20% slower
+ * than the same bytes read forward (issue 18). Pages are moved as runs of
+ * consecutive pages (disjoint intervals, so sorting runs by start sorts pages):
+ * the usual shapes, one-page objects reversed or multi-page objects out of order,
+ * cost a sort of the runs only. Best effort: without memory it does nothing. */
+static int cmp_run(const void *a, const void *b) {
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static void batch_pages_ascending(Pool *p, batch_t *b) {
+    uint64_t total = 0;
+    int ascending = 1;
+    uint32_t prev = 0;
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        item_t *it = &b->items[i];
+        if (it->status != ST_PENDING) continue;
+        for (uint32_t k = 0; k < it->npages; k++, total++) {
+            if (total && it->pages[k] <= prev) ascending = 0;
+            prev = it->pages[k];
+        }
+    }
+    if (ascending) return;
+    uint32_t *flat = malloc(sizeof(uint32_t) * total), *runs = malloc(sizeof(uint32_t) * 2 * total);
+    if (!flat || !runs) goto out;
+    uint64_t o = 0, nr = 0;
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        item_t *it = &b->items[i];
+        if (it->status != ST_PENDING) continue;
+        for (uint32_t k = 0; k < it->npages; k++) {
+            uint32_t pg = it->pages[k];
+            if (nr && pg == runs[2 * (nr - 1)] + runs[2 * (nr - 1) + 1]) runs[2 * (nr - 1) + 1]++;
+            else runs[2 * nr] = pg, runs[2 * nr + 1] = 1, nr++;
+        }
+    }
+    qsort(runs, nr, 2 * sizeof(uint32_t), cmp_run);
+    o = 0;
+    for (uint64_t r = 0; r < nr; r++)
+        for (uint32_t j = 0; j < runs[2 * r + 1]; j++) flat[o++] = runs[2 * r] + j;
+    uint32_t *nx = NEXT(p);
+    o = 0;
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        item_t *it = &b->items[i];
+        if (it->status != ST_PENDING || !it->npages) continue;
+        for (uint32_t k = 0; k < it->npages; k++) it->pages[k] = flat[o++];
+        for (uint32_t k = 0; k + 1 < it->npages; k++) nx[it->pages[k]] = it->pages[k + 1];
+        nx[it->pages[it->npages - 1]] = NONE32;
+        ENT(p)[it->idx].first_page = it->pages[0];
+    }
+out:
+    free(flat);
+    free(runs);
+}
+
 static void op_put(Pool *p, batch_t *b, double deadline) {
     hdr_t *h = p->h;
     uint64_t P = h->page_size;
@@ -1741,6 +1800,7 @@ static void op_put(Pool *p, batch_t *b, double deadline) {
         uint32_t *nx = NEXT(p), pg = en->first_page;
         for (uint32_t k = 0; k < need; k++, pg = nx[pg]) it->pages[k] = pg;
     }
+    batch_pages_ascending(p, b);
     pool_unlock(p);
 
     double stall = atomic_load(&p->put_stall_s);
@@ -3328,6 +3388,59 @@ static PyObject *Pool_debug_put_stall(Pool *p, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Test hook: the arena pages of each key, in object order ([] when the key is
+ * absent or on disk); read under the lock. */
+static PyObject *Pool_debug_pages(Pool *p, PyObject *args) {
+    PyObject *keys;
+    if (!PyArg_ParseTuple(args, "O", &keys)) return NULL;
+    batch_t b;
+    if (batch_parse(&b, keys, NULL) < 0) return NULL;
+    if (enter(p) < 0) {
+        batch_free(&b);
+        return PyErr_Format(PyExc_RuntimeError, "pool closed");
+    }
+    uint64_t total = 0;
+    int st;
+    uint32_t *pages = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    st = pool_lock(p, now_mono() + 5);
+    if (!st) {
+        for (Py_ssize_t i = 0; i < b.n; i++) {
+            uint32_t e = b.items[i].key ? find(p, b.items[i].key, b.items[i].klen, b.items[i].hash) : NONE32;
+            b.items[i].idx = e;
+            b.items[i].npages = e != NONE32 && ENT(p)[e].state != E_DISK ? ENT(p)[e].npages : 0;
+            total += b.items[i].npages;
+        }
+        pages = malloc(sizeof(uint32_t) * (total + 1));
+        uint64_t o = 0;
+        for (Py_ssize_t i = 0; pages && i < b.n; i++) {
+            uint32_t pg = b.items[i].npages ? ENT(p)[b.items[i].idx].first_page : NONE32;
+            for (uint32_t k = 0; k < b.items[i].npages; k++, pg = NEXT(p)[pg]) pages[o++] = pg;
+        }
+        pool_unlock(p);
+    }
+    Py_END_ALLOW_THREADS
+    leave(p);
+    PyObject *out = NULL;
+    if (st) PyErr_Format(PyExc_RuntimeError, "pool lock: status %d", st);
+    else if (!pages) PyErr_NoMemory();
+    else if ((out = PyList_New(b.n))) {
+        uint64_t o = 0;
+        for (Py_ssize_t i = 0; i < b.n; i++) {
+            PyObject *l = PyList_New(b.items[i].npages);
+            if (!l) {
+                Py_CLEAR(out);
+                break;
+            }
+            for (uint32_t k = 0; k < b.items[i].npages; k++) PyList_SET_ITEM(l, k, PyLong_FromUnsignedLong(pages[o++]));
+            PyList_SET_ITEM(out, i, l);
+        }
+    }
+    free(pages);
+    batch_free(&b);
+    return out;
+}
+
 static PyObject *Pool_debug_holder(Pool *p, PyObject *noargs) {
     if (!p->h || atomic_load(&p->closed)) return PyLong_FromLong(0);
     return PyLong_FromLong(atomic_load(&p->h->debug_holder));
@@ -3381,6 +3494,7 @@ static PyMethodDef Pool_methods[] = {
     {"debug_scan_stall", (PyCFunction)Pool_debug_scan_stall, METH_VARARGS,
      "pause this handle's linear prefix scans between their blocks, unlocked"},
     {"debug_delay", (PyCFunction)Pool_debug_delay, METH_VARARGS, "make data calls of this handle slow"},
+    {"debug_pages", (PyCFunction)Pool_debug_pages, METH_VARARGS, "arena pages of each key, in order"},
     {"debug_holder", (PyCFunction)Pool_debug_holder, METH_NOARGS, "pid holding a debug hook (neg: stalled put)"},
     {"close", (PyCFunction)Pool_close, METH_VARARGS, "close(destroy=False)"},
     {NULL},

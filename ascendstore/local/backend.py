@@ -89,6 +89,10 @@ class LocalHooks:
         """pid in hold_lock (negative: in stall_put or a stalled spill), 0 if none; read without the lock."""
         return self._pool.debug_holder()
 
+    def pages(self, keys: Sequence[str]) -> list[list[int]]:
+        """Arena page numbers of each key's object, in order ([] when absent or on disk)."""
+        return self._pool.debug_pages(list(keys))
+
     def check(self, timeout_s: float = 5.0) -> str:
         """Sweep dead processes, then verify every pool invariant; '' when consistent."""
         return self._pool.check(timeout_s)
