@@ -1694,7 +1694,6 @@ static int spill_ahead(Pool *p, batch_t *b, double deadline) {
     return ST_OK;
 }
 
-/* Put (or promote, when items carry cond_version). */
 /* Give a batch's reservations its pages in ascending order, object after object
  * (lock held; the pages are this batch's own). A get of the same keys in the
  * same order (a request's chunks, saved together and loaded together) then reads
@@ -1725,7 +1724,7 @@ static void batch_pages_ascending(Pool *p, batch_t *b) {
     if (ascending) return;
     uint32_t *flat = malloc(sizeof(uint32_t) * total), *runs = malloc(sizeof(uint32_t) * 2 * total);
     if (!flat || !runs) goto out;
-    uint64_t o = 0, nr = 0;
+    uint64_t nr = 0;
     for (Py_ssize_t i = 0; i < b->n; i++) {
         item_t *it = &b->items[i];
         if (it->status != ST_PENDING) continue;
@@ -1736,7 +1735,7 @@ static void batch_pages_ascending(Pool *p, batch_t *b) {
         }
     }
     qsort(runs, nr, 2 * sizeof(uint32_t), cmp_run);
-    o = 0;
+    uint64_t o = 0;
     for (uint64_t r = 0; r < nr; r++)
         for (uint32_t j = 0; j < runs[2 * r + 1]; j++) flat[o++] = runs[2 * r] + j;
     uint32_t *nx = NEXT(p);
@@ -1754,6 +1753,7 @@ out:
     free(runs);
 }
 
+/* Put (or promote, when items carry cond_version). */
 static void op_put(Pool *p, batch_t *b, double deadline) {
     hdr_t *h = p->h;
     uint64_t P = h->page_size;
