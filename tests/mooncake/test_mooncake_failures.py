@@ -48,6 +48,26 @@ def test_setup_without_master_fails_fast_and_clearly() -> None:
     assert "MOONCAKE_MASTER" in msg
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGSTOP the master and wait until every one of its threads is stopped: the
+    signal is delivered asynchronously, and on a loaded machine a call made at once
+    can still be answered before the stop takes hold."""
+    proc.send_signal(signal.SIGSTOP)
+    tasks = Path(f"/proc/{proc.pid}/task")
+    deadline = time.monotonic() + 10
+    while True:
+        states = []
+        for t in tasks.iterdir():
+            try:  # the state follows the parenthesised command name
+                states.append((t / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # a thread that just ended
+        if states and all(st in "Tt" for st in states):
+            return
+        assert time.monotonic() < deadline, f"master not stopped: thread states {states}"
+        time.sleep(0.005)
+
+
 def _timed(fn):
     t0 = time.monotonic()
     out = fn()
@@ -123,7 +143,7 @@ def test_a_stopped_master_stalls_an_inline_put_once_never_a_get(master_factory, 
     assert b.put(["stop/a"], [[region(data)]], 1.0) == [Status.OK]
     assert b.stats()["inline_calls"] == 1  # healthy: the put ran on this thread
     t = 0.3
-    m.proc.send_signal(signal.SIGSTOP)
+    _stop(m.proc)
     try:
         st, took = _timed(lambda: b.get(["stop/a"], [[region(dst)]], t))
         assert st == [Status.TIMEOUT] and took < t + SLACK  # a get keeps its deadline
@@ -184,7 +204,7 @@ def test_a_stopped_master_stalls_the_load_thread_and_the_watchdog_gives_the_load
         assert load("r0") == set() and np.array_equal(kv, data)
         assert b.stats()["inline_calls"] == calls + 1, "a healthy async load's get runs on the load thread"
         kv[:] = 0
-        m.proc.send_signal(signal.SIGSTOP)
+        _stop(m.proc)
         try:
             assert load("r1") == set(range(n))
             assert b.stats()["inflight_calls"] >= 1, "answered only once the native call ended: nothing was given up"
