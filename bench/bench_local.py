@@ -225,6 +225,7 @@ def bench_disk(size: int, total: int, rounds: int) -> dict:
                 "put_gbps": stat(res["put"]).as_dict(),
                 "get_gbps": stat(res["get"]).as_dict(),
                 "spills": stats["spills"],
+                "clean_spills": stats["clean_spills"],  # promoted objects sent back to their copies
                 "disk_hits": stats["disk_hits"],
             }
         finally:

@@ -182,7 +182,9 @@ def bench_disk(size: int, n_objs: int, rounds: int) -> dict:
       disk before returning;
     - get of objects on disk: LMCache ``batched_get_blocking`` (concurrent reads
       into objects from its CPU allocator) + a torch copy out + release; ours:
-      ``get`` (read from disk into the caller's memory, then promoted to DRAM).
+      ``get`` (read from disk into the caller's memory, then promoted to DRAM;
+      the promotion evicts the previous batch's promoted objects, which go back
+      to the disk copies they were read from without a write).
     """
     import tempfile
     import threading
@@ -283,7 +285,8 @@ def bench_disk(size: int, n_objs: int, rounds: int) -> dict:
             return {"gbps": {k: stat(v).as_dict() for k, v in s.items()},
                     "ratio": {f"{op} ours / lmcache": ratios(s[f"{op} ours"], s[f"{op} lmcache"]).as_dict()
                               for op in ("put", "get")},
-                    "objects_per_round": n, "spills": st["spills"], "disk_hits": st["disk_hits"]}
+                    "objects_per_round": n, "spills": st["spills"], "clean_spills": st["clean_spills"],
+                    "disk_hits": st["disk_hits"]}
         finally:
             pool.destroy()
             sm.close()

@@ -381,6 +381,45 @@ def test_sigkill_mid_spill_keeps_the_object_in_dram(pool_opts, tmp_path):
         be.destroy()
 
 
+def test_a_rebuild_after_a_death_in_the_lock_keeps_clean_disk_copies_right(pool_opts, tmp_path):
+    # after the rebuild, a promoted object still goes back to its disk copy (nothing written),
+    # one overwritten after its promotion does not, and both read back exact
+    pool_opts.update(capacity=256 * KiB, page_size=64 * KiB, disk_path=str(tmp_path / "d"),
+                     disk_capacity=4 * MiB, disk_segment_size=256 * KiB, checksum=True)
+    be = open_pool(pool_opts)
+    try:
+        vals = [np.full(64 * KiB, i + 1, np.uint8) for i in range(16)]
+        def put(k, v):
+            return be.put([k], [[Region(v.ctypes.data, len(v))]], T)
+        out = np.zeros(64 * KiB, np.uint8)
+        def get(k):
+            return be.get([k], [[Region(out.ctypes.data, len(out))]], T)
+        for i in range(8):  # c/0..c/3 on disk
+            assert put(f"c/{i}", vals[i]) == [OK]
+        assert get("c/0") == [OK] and get("c/1") == [OK]  # promoted: both keep their copies
+        assert put("c/1", vals[15]) == [OK]  # a new value: its copy is gone
+        hooks = be.test_hooks()
+        p = run(child_hold_lock, pool_opts)
+        wait_for(lambda: hooks.holder() == p.pid)
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(30)
+        assert hooks.check() == ""  # the first locker rebuilt every list, the disk list too
+        assert be.stats()["lock_recoveries"] == 1
+        before = be.stats()
+        # DRAM: c/7, c/0, c/1 (LRU first) and one free page run; four puts evict all three
+        for i in range(8, 12):
+            assert put(f"m/{i}", vals[i]) == [OK]
+        assert hooks.pages(["c/0", "c/1", "c/7"]) == [[], [], []]  # all on disk now
+        after = be.stats()
+        assert after["clean_spills"] - before["clean_spills"] == 1  # c/0
+        assert after["disk_file_bytes"] - before["disk_file_bytes"] == 2 * 64 * KiB  # c/7 and c/1
+        assert get("c/0") == [OK] and (out == 1).all()
+        assert get("c/1") == [OK] and (out == 16).all()
+        assert hooks.check() == ""
+    finally:
+        be.destroy()
+
+
 def test_spills_that_finish_out_of_order_leave_no_object_in_a_dropped_segment(pool_opts, tmp_path):
     # a child's spill of v/0 (segment 0) finishes after this process's spills into later segments;
     # the disk list must stay in position order, or dropping segment 0 leaves v/0 behind, pointing

@@ -292,3 +292,137 @@ def test_lock_timeout_after_spill_writes_keeps_the_victims(make_pool, tmp_path):
     assert np.array_equal(out, vals[0])
     assert hooks.check() == ""
     assert _put(be, "o/4", vals[4]) == OK
+
+
+# A promoted object keeps the disk copy it was read from: evicting it again goes
+# back to that copy and writes nothing (a read-mostly object bouncing between the
+# tiers costs one write, not one per bounce). The copy must never outlive the bytes
+# it stands for: a new value, a removal or a dropped segment ends it.
+
+
+def _clean_pool(make_pool, tmp_path, **kw):
+    # DRAM: four 64 KiB objects; disk: 4 MiB in 256 KiB segments (four objects each)
+    kw.setdefault("disk_capacity", 4 * MiB)
+    return make_pool(capacity=256 * KiB, page_size=64 * KiB, disk_path=str(tmp_path / "disk"),
+                     disk_segment_size=256 * KiB, checksum=True, **kw)
+
+
+def _get(be, key: str, out: np.ndarray) -> Status:
+    return be.get([key], [[Region(out.ctypes.data, len(out))]], T)[0]
+
+
+def test_a_promoted_object_evicted_again_goes_back_to_its_disk_copy_without_a_write(make_pool, tmp_path):
+    be = _clean_pool(make_pool, tmp_path)
+    size = 64 * KiB
+    vals = [value(100 + i, size) for i in range(12)]
+    for i in range(8):  # c/0..c/3 spill
+        assert _put(be, f"c/{i}", vals[i]) == OK
+    out = np.zeros(size, np.uint8)
+    assert _get(be, "c/0", out) == OK and np.array_equal(out, vals[0])  # promoted; spills c/4
+    s0 = be.stats()
+    assert s0["promotions"] == 1 and s0["disk_file_bytes"] == 5 * size and s0["clean_spills"] == 0
+    cur, _, _ = be.removed_since(-1)
+    for i in range(8, 12):  # evicts c/5, c/6, c/7 (written) and c/0 (its copy is still there)
+        assert _put(be, f"c/{i}", vals[i]) == OK
+    s1 = be.stats()
+    assert s1["clean_spills"] == 1 and s1["spills"] == s0["spills"] + 4
+    assert s1["disk_file_bytes"] == 8 * size  # three writes, not four
+    assert s1["disk_objects"] == 8 and s1["objects"] == 4
+    _, events, _ = be.removed_since(cur)
+    assert ("c/0", "cpu", "spilled", "disk") in [(e.key, e.tier, e.reason, e.moved_to) for e in events]
+    assert be.test_hooks().check() == ""
+    out[:] = 0
+    assert _get(be, "c/0", out) == OK and np.array_equal(out, vals[0])  # read from that copy, exact
+    assert be.stats()["disk_hits"] == s1["disk_hits"] + 1
+    for i in range(1, 12):  # every object, wherever it is, reads back exact
+        assert _get(be, f"c/{i}", out) == OK and np.array_equal(out, vals[i]), i
+    assert be.test_hooks().check() == ""
+
+
+def test_a_new_value_or_a_removal_ends_the_disk_copy(make_pool, tmp_path):
+    be = _clean_pool(make_pool, tmp_path)
+    size = 64 * KiB
+    vals = [value(200 + i, size) for i in range(16)]
+    for i in range(8):  # n/0..n/3 on disk
+        assert _put(be, f"n/{i}", vals[i]) == OK
+    out = np.zeros(size, np.uint8)
+    assert _get(be, "n/0", out) == OK and _get(be, "n/1", out) == OK  # both promoted, copies kept
+    new0 = value(999, size)
+    assert _put(be, "n/0", new0) == OK  # a new value in DRAM: the old copy is not its bytes
+    assert be.remove(["n/1"], T) == [OK]
+    assert be.test_hooks().check() == ""
+    before = be.stats()
+    for i in range(8, 16):  # n/0 is evicted: written afresh, never sent back to the old copy
+        assert _put(be, f"x/{i}", vals[i]) == OK
+    after = be.stats()
+    assert after["clean_spills"] == before["clean_spills"]
+    assert after["disk_file_bytes"] - before["disk_file_bytes"] == (after["spills"] - before["spills"]) * size
+    assert _get(be, "n/0", out) == OK and np.array_equal(out, new0)
+    assert be.exists(["n/1"], T) == [NOT_FOUND]
+    assert be.test_hooks().check() == ""
+
+
+def test_a_copy_near_the_end_of_the_disk_log_is_written_afresh_and_a_dropped_one_forgotten(make_pool, tmp_path):
+    # disk: 1 MiB, four segments of four objects; a copy written half of that ago or more is
+    # about to be dropped, so the object is written anew when evicted (it lives a whole cycle again)
+    be = _clean_pool(make_pool, tmp_path, disk_capacity=1 * MiB)
+    size = 64 * KiB
+    vals = [value(300 + i, size) for i in range(40)]
+    hot = value(42, size)
+    assert _put(be, "hot", hot) == OK
+    for i in range(4):  # "hot" spills first: segment 0
+        assert _put(be, f"f/{i}", vals[i]) == OK
+    out = np.zeros(size, np.uint8)
+    assert _get(be, "hot", out) == OK  # promoted, its copy in segment 0
+    # keep "hot" in DRAM while the log moves on past segment 0 and drops it
+    for i in range(4, 24):
+        assert _put(be, f"f/{i}", vals[i]) == OK
+        assert _get(be, "hot", out) == OK and np.array_equal(out, hot)
+        assert be.test_hooks().check() == "", i
+    s = be.stats()
+    assert s["disk_drops"] > 0 and be.exists(["f/0"], T) == [NOT_FOUND]  # segment 0 is gone
+    assert s["clean_spills"] == 0
+    for i in range(24, 28):  # now "hot" is evicted: written again, exact
+        assert _put(be, f"f/{i}", vals[i]) == OK
+    assert be.stats()["clean_spills"] == 0 and be.test_hooks().check() == ""
+    assert _get(be, "hot", out) == OK and np.array_equal(out, hot)
+    # a copy less than half a log back is gone back to; half a log back or more, written afresh
+    for kept_for, clean in ((0, 1), (8, 0)):  # puts (4 to a segment) while the object stays in DRAM
+        key = next(f"f/{n}" for n in range(39, -1, -1) if _on_disk(be, f"f/{n}"))  # the newest
+        assert _get(be, key, out) == OK  # promoted now
+        before = be.stats()
+        for j in range(kept_for):
+            assert _put(be, f"k{clean}/{j}", vals[j]) == OK
+            assert _get(be, key, out) == OK
+        for j in range(4):  # then it is evicted
+            assert _put(be, f"e{clean}/{j}", vals[j]) == OK
+        after = be.stats()
+        assert after["clean_spills"] - before["clean_spills"] == clean, (key, kept_for)
+        assert _get(be, key, out) == OK and np.array_equal(out, vals[int(key[2:])])
+        assert be.test_hooks().check() == ""
+
+
+def _on_disk(be, key: str) -> bool:
+    """Stored, and on disk only (no DRAM pages)."""
+    return be.exists([key], T) == [OK] and be.test_hooks().pages([key]) == [[]]
+
+
+def test_a_disk_copy_that_is_not_the_objects_bytes_reads_as_corrupt(make_pool, tmp_path):
+    # the fault: the segment files are overwritten while the object sits in DRAM on its
+    # clean copy; going back to that copy must not hand out those bytes
+    be = _clean_pool(make_pool, tmp_path)
+    size = 64 * KiB
+    vals = [value(400 + i, size) for i in range(12)]
+    for i in range(8):
+        assert _put(be, f"g/{i}", vals[i]) == OK
+    out = np.zeros(size, np.uint8)
+    assert _get(be, "g/0", out) == OK  # promoted, clean copy in segment 0
+    d = str(tmp_path / "disk")
+    for f in os.listdir(d):
+        with open(os.path.join(d, f), "r+b") as fh:
+            n = os.path.getsize(os.path.join(d, f))
+            fh.write(bytes([0xA5]) * n)
+    for i in range(8, 12):
+        assert _put(be, f"g/{i}", vals[i]) == OK
+    assert be.stats()["clean_spills"] == 1
+    assert _get(be, "g/0", out) == CORRUPT

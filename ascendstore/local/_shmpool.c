@@ -55,7 +55,7 @@
 /* ------------------------------------------------------------------ constants */
 
 #define POOL_MAGIC 0x31305453414c5341ULL /* "ASLAST01" */
-#define POOL_LAYOUT 7u
+#define POOL_LAYOUT 8u
 #define NONE32 0xffffffffu
 #define MAX_KEY 256
 #define MAX_PROCS 512
@@ -80,7 +80,7 @@ typedef struct {
     uint64_t disk_off;
     uint32_t disk_seg;
     uint32_t hnext;     /* hash chain, or free-entry list */
-    uint32_t prev, next; /* DRAM LRU list (LIVE) or disk list (DISK) */
+    uint32_t prev, next; /* DRAM LRU list (LIVE) */
     uint32_t first_page;
     uint32_t npages;
     uint32_t state;
@@ -89,7 +89,11 @@ typedef struct {
     uint32_t has_sum;
     uint64_t pin_until; /* CLOCK_MONOTONIC ns: not evicted before (while its pinner lives) */
     int32_t pin_slot;   /* the pinning process's slot, PIN_SHARED when several pinned it */
-    uint32_t pad;
+    /* 1: these bytes sit at (disk_seg, disk_off) and the entry is in the disk list.
+     * Always for DISK; for LIVE, the copy a promotion left behind (the object came
+     * from there unchanged), so evicting it again writes nothing. */
+    uint32_t on_disk;
+    uint32_t dprev, dnext; /* disk list, by disk position */
     char key[MAX_KEY];
 } entry_t;
 
@@ -123,7 +127,7 @@ typedef struct {
     uint32_t free_page_head, free_pages;
     uint32_t free_entry_head, entries_used;
     uint32_t lru_head, lru_tail;   /* MRU .. LRU of LIVE entries */
-    uint32_t disk_head, disk_tail; /* newest .. oldest DISK entries */
+    uint32_t disk_head, disk_tail; /* newest .. oldest disk copies (DISK entries, clean LIVE ones) */
     uint32_t n_live, n_disk, reserved_pages;
     uint32_t entries_hwm; /* entries at or above this index were never used (untouched memory) */
     uint64_t next_version, tick;
@@ -133,7 +137,8 @@ typedef struct {
     uint64_t ev_next; /* sequence number of the next removal record */
     /* counters */
     uint64_t c_hits, c_misses, c_puts, c_evictions, c_spills, c_disk_hits, c_promotions, c_disk_drops,
-        c_corrupt, c_no_space, c_lock_recoveries, c_dead_reclaimed, c_retries, c_pinned_skips, c_pins;
+        c_corrupt, c_no_space, c_lock_recoveries, c_dead_reclaimed, c_retries, c_pinned_skips, c_pins,
+        c_clean_spills;
 } hdr_t;
 
 /* Removal records: a bounded ring in the segment, written under the pool
@@ -620,6 +625,55 @@ static void lru_push_tail(Pool *p, uint32_t i, uint32_t *head, uint32_t *tail) {
     *tail = i;
 }
 
+/* The disk list: every disk copy (DISK entries and the clean copies of LIVE
+ * ones), newest position at the head, linked through dprev/dnext. */
+static void disk_unlink(Pool *p, uint32_t i) {
+    hdr_t *h = p->h;
+    entry_t *E = ENT(p);
+    entry_t *e = &E[i];
+    if (e->dprev != NONE32) E[e->dprev].dnext = e->dnext; else h->disk_head = e->dnext;
+    if (e->dnext != NONE32) E[e->dnext].dprev = e->dprev; else h->disk_tail = e->dprev;
+    e->dprev = e->dnext = NONE32;
+    e->on_disk = 0;
+}
+
+static void disk_push_head(Pool *p, uint32_t i) {
+    hdr_t *h = p->h;
+    entry_t *E = ENT(p);
+    E[i].dprev = NONE32;
+    E[i].dnext = h->disk_head;
+    if (h->disk_head != NONE32) E[h->disk_head].dprev = i; else h->disk_tail = i;
+    h->disk_head = i;
+    E[i].on_disk = 1;
+}
+
+/* Is a DRAM object's clean copy worth going back to on eviction? Only while it
+ * has more than half of the disk log's cycle left: segments are dropped oldest
+ * first, once disk_capacity bytes are written after them, so a copy written
+ * more than half of that ago is dropped soon, and an object read back from
+ * there (warm) is written afresh instead, as any spill, to live a whole cycle
+ * again. Distance in whole segments (the current one counts 0). Lock held. */
+static int disk_copy_kept(const hdr_t *h, const entry_t *e) {
+    return e->on_disk && 2 * (h->disk_cur_seg - e->disk_seg) * h->disk_seg_size < h->disk_capacity;
+}
+
+/* Entry `to` takes entry `from`'s disk copy and its place in the disk list (a
+ * promotion: the key's new DRAM entry keeps the copy it was read from). */
+static void disk_take_over(Pool *p, uint32_t from, uint32_t to) {
+    hdr_t *h = p->h;
+    entry_t *E = ENT(p);
+    entry_t *f = &E[from], *t = &E[to];
+    t->disk_seg = f->disk_seg;
+    t->disk_off = f->disk_off;
+    t->dprev = f->dprev;
+    t->dnext = f->dnext;
+    if (f->dprev != NONE32) E[f->dprev].dnext = to; else h->disk_head = to;
+    if (f->dnext != NONE32) E[f->dnext].dprev = to; else h->disk_tail = to;
+    t->on_disk = 1;
+    f->dprev = f->dnext = NONE32;
+    f->on_disk = 0;
+}
+
 static void touch(Pool *p, uint32_t i) {
     hdr_t *h = p->h;
     entry_t *e = &ENT(p)[i];
@@ -688,7 +742,7 @@ static void entry_release(Pool *p, uint32_t i) {
     entry_t *e = &ENT(p)[i];
     memset(e, 0, offsetof(entry_t, key));
     e->state = E_FREE;
-    e->prev = e->next = e->first_page = NONE32;
+    e->prev = e->next = e->dprev = e->dnext = e->first_page = NONE32;
     e->hnext = p->h->free_entry_head;
     p->h->free_entry_head = i;
     p->h->entries_used--;
@@ -720,6 +774,7 @@ static void entry_remove(Pool *p, uint32_t i, int reason) {
     entry_t *e = &ENT(p)[i];
     event_record(p, i, entry_tier(e), reason, TIER_NONE);
     hash_unlink(p, i);
+    if (e->on_disk) disk_unlink(p, i); /* a LIVE entry's clean copy goes with it */
     if (e->state == E_SPILLING) { /* its spiller frees the pages once its write is done */
         h->n_live--;
         h->live_bytes -= e->size;
@@ -732,7 +787,6 @@ static void entry_remove(Pool *p, uint32_t i, int reason) {
         h->n_live--;
         h->live_bytes -= e->size;
     } else if (e->state == E_DISK) {
-        lru_unlink(p, i, &h->disk_head, &h->disk_tail);
         h->n_disk--;
         h->disk_live_bytes -= e->size;
     }
@@ -778,8 +832,13 @@ static void disk_drop_oldest_segment(Pool *p) {
     uint64_t seg = h->disk_first_seg;
     entry_t *E = ENT(p);
     while (h->disk_tail != NONE32 && E[h->disk_tail].disk_seg <= (uint32_t)seg) {
-        entry_remove(p, h->disk_tail, R_EVICTED);
-        h->c_disk_drops++;
+        uint32_t t = h->disk_tail;
+        if (E[t].state == E_DISK) {
+            entry_remove(p, t, R_EVICTED);
+            h->c_disk_drops++;
+        } else {
+            disk_unlink(p, t); /* a DRAM object's clean copy: it stays in DRAM, its next eviction writes */
+        }
     }
     char path[MAX_PATH_LEN + 200];
     seg_path(p, seg, path, sizeof path);
@@ -892,20 +951,22 @@ static void disk_list_insert(Pool *p, uint32_t i) {
     uint32_t after = NONE32, at = h->disk_head; /* insert between after and at */
     while (at != NONE32 && (E[at].disk_seg > e->disk_seg || (E[at].disk_seg == e->disk_seg && E[at].disk_off > e->disk_off))) {
         after = at;
-        at = E[at].next;
+        at = E[at].dnext;
     }
     if (after == NONE32) {
-        lru_push_head(p, i, &h->disk_head, &h->disk_tail);
+        disk_push_head(p, i);
         return;
     }
-    E[i].prev = after;
-    E[i].next = at;
-    E[after].next = i;
-    if (at != NONE32) E[at].prev = i;
+    E[i].dprev = after;
+    E[i].dnext = at;
+    E[after].dnext = i;
+    if (at != NONE32) E[at].dprev = i;
     else h->disk_tail = i;
+    E[i].on_disk = 1;
 }
 
-/* A LIVE entry whose bytes are now on disk: free its pages, move it to the disk list. */
+/* A LIVE entry whose bytes are now on disk: free its pages, move it to the disk
+ * list (a clean entry is there already: its copy is where it was read from). */
 static void entry_to_disk(Pool *p, uint32_t i) {
     hdr_t *h = p->h;
     entry_t *e = &ENT(p)[i];
@@ -918,7 +979,8 @@ static void entry_to_disk(Pool *p, uint32_t i) {
     e->state = E_DISK;
     e->owner = -1;
     e->version = ++h->next_version; /* readers of the old pages must look again */
-    disk_list_insert(p, i);
+    if (!e->on_disk) disk_list_insert(p, i);
+    else h->c_clean_spills++;
     h->n_disk++;
     h->disk_live_bytes += e->size;
     h->c_spills++;
@@ -938,13 +1000,29 @@ static uint32_t lru_victim(Pool *p, uint32_t tail) {
     return NONE32;
 }
 
+/* The oldest object that lives only on disk and is not pinned (the disk list
+ * also holds the clean copies of DRAM objects, which are skipped); NONE32 if
+ * there is none. Lock held. */
+static uint32_t disk_victim(Pool *p) {
+    entry_t *E = ENT(p);
+    uint64_t now = 0;
+    for (uint32_t i = p->h->disk_tail; i != NONE32; i = E[i].dprev) {
+        if (E[i].state != E_DISK) continue;
+        if (!E[i].pin_until) return i;
+        if (!now) now = now_ns();
+        if (!entry_pinned(p, &E[i], now)) return i;
+        p->h->c_pinned_skips++;
+    }
+    return NONE32;
+}
+
 /* Does the oldest disk segment hold a pinned object? (Its objects sit at the
  * tail of the disk list.) Lock held. */
 static int seg_pinned(Pool *p, uint64_t seg) {
     entry_t *E = ENT(p);
     uint64_t now = now_ns();
-    for (uint32_t i = p->h->disk_tail; i != NONE32 && E[i].disk_seg <= (uint32_t)seg; i = E[i].prev)
-        if (E[i].pin_until && entry_pinned(p, &E[i], now)) {
+    for (uint32_t i = p->h->disk_tail; i != NONE32 && E[i].disk_seg <= (uint32_t)seg; i = E[i].dprev)
+        if (E[i].state == E_DISK && E[i].pin_until && entry_pinned(p, &E[i], now)) { /* a DRAM one needs no copy */
             p->h->c_pinned_skips++;
             return 1;
         }
@@ -958,7 +1036,9 @@ static int evict_one(Pool *p, int allow_spill) {
     uint32_t i = lru_victim(p, h->lru_tail);
     if (i == NONE32) return 0; /* empty, or every object is pinned */
     h->c_evictions++;
-    if (allow_spill && h->disk_capacity && disk_spill(p, i) == 0) {
+    /* a clean copy (left by its promotion) makes the spill free: nothing to write */
+    if (allow_spill && ENT(p)[i].on_disk && !disk_copy_kept(h, &ENT(p)[i])) disk_unlink(p, i);
+    if (allow_spill && h->disk_capacity && (ENT(p)[i].on_disk || disk_spill(p, i) == 0)) {
         lru_unlink(p, i, &h->lru_head, &h->lru_tail);
         entry_to_disk(p, i);
         return 1;
@@ -973,7 +1053,7 @@ static uint32_t entry_alloc(Pool *p) {
     uint32_t i;
     if (h->free_entry_head != NONE32 || h->entries_hwm >= h->max_keys) {
         while (h->free_entry_head == NONE32) {
-            uint32_t d = lru_victim(p, h->disk_tail);
+            uint32_t d = disk_victim(p);
             if (d != NONE32) {
                 entry_remove(p, d, R_EVICTED);
                 h->c_disk_drops++;
@@ -986,7 +1066,7 @@ static uint32_t entry_alloc(Pool *p) {
     } else {
         i = h->entries_hwm++; /* never used: the memory is touched only now */
         memset(&E[i], 0, offsetof(entry_t, key));
-        E[i].prev = E[i].next = E[i].first_page = NONE32;
+        E[i].prev = E[i].next = E[i].dprev = E[i].dnext = E[i].first_page = NONE32;
     }
     E[i].hnext = NONE32;
     h->entries_used++;
@@ -1072,8 +1152,10 @@ static void rebuild(Pool *p) {
         if (e->state == E_SPILLING && !owner_alive) e->state = E_LIVE; /* the spill never finished */
         int ok = (e->state >= E_RESERVED && e->state <= E_SPILL_DEAD) && e->keylen > 0 && e->keylen <= MAX_KEY;
         if (ok && (e->state == E_RESERVED || e->state == E_SPILL_DEAD)) ok = owner_alive;
-        if (ok && e->state == E_DISK)
-            ok = e->disk_seg >= h->disk_first_seg && e->disk_seg <= h->disk_cur_seg && h->disk_capacity;
+        int copy_ok = e->disk_seg >= h->disk_first_seg && e->disk_seg <= h->disk_cur_seg && h->disk_capacity;
+        if (ok && e->state == E_DISK) ok = copy_ok;
+        /* a DRAM object's clean copy counts only where it is sure to be there */
+        e->on_disk = e->state == E_DISK || (e->state == E_LIVE && e->on_disk && copy_ok);
         int hashed = e->state == E_LIVE || e->state == E_DISK || e->state == E_SPILLING;
         int dup = 0;
         if (ok && hashed && find(p, e->key, e->keylen, e->hash) != NONE32) ok = 0, dup = 1;
@@ -1100,13 +1182,13 @@ static void rebuild(Pool *p) {
                 event_record(p, i, entry_tier(e), R_LOST, TIER_NONE);
             memset(e, 0, offsetof(entry_t, key));
             e->state = E_FREE;
-            e->prev = e->next = e->first_page = NONE32;
+            e->prev = e->next = e->dprev = e->dnext = e->first_page = NONE32;
             e->hnext = h->free_entry_head;
             h->free_entry_head = i;
             continue;
         }
         h->entries_used++;
-        e->prev = e->next = NONE32;
+        e->prev = e->next = e->dprev = e->dnext = NONE32;
         if (e->state == E_LIVE || e->state == E_DISK) e->owner = -1;
         if (e->state == E_RESERVED) h->reserved_pages += e->npages;
         if (e->state == E_SPILLING) { /* live, readable, not in the LRU until its spiller is done */
@@ -1127,10 +1209,11 @@ static void rebuild(Pool *p) {
     }
     n = 0;
     for (uint32_t i = 0; i < h->entries_hwm; i++)
-        if (E[i].state == E_DISK) order[n++] = i;
+        if (E[i].state != E_FREE && E[i].on_disk) order[n++] = i;
     qsort_r(order, n, sizeof(uint32_t), cmp_disk_desc, E);
     for (uint32_t k = n; k-- > 0;) {
-        lru_push_head(p, order[k], &h->disk_head, &h->disk_tail);
+        disk_push_head(p, order[k]);
+        if (E[order[k]].state != E_DISK) continue;
         h->n_disk++;
         h->disk_live_bytes += E[order[k]].size;
     }
@@ -1619,6 +1702,12 @@ static int spill_ahead(Pool *p, batch_t *b, double deadline) {
         uint64_t seg, off;
         h->c_evictions++;
         have += e->npages;
+        if (disk_copy_kept(h, e)) { /* its promotion left a clean copy: back to it, nothing written */
+            lru_unlink(p, i, &h->lru_head, &h->lru_tail);
+            entry_to_disk(p, i);
+            continue;
+        }
+        if (e->on_disk) disk_unlink(p, i); /* a copy about to be dropped: write it afresh */
         if (disk_reserve(p, e->size, &seg, &off) != 0) {
             entry_remove(p, i, R_EVICTED); /* too big for the disk tier: just evict */
             continue;
@@ -1848,9 +1937,12 @@ static void op_put(Pool *p, batch_t *b, double deadline) {
             en->pin_until = E[old].pin_until;
             en->pin_slot = E[old].pin_slot;
         }
-        /* a DRAM value replaced stays in DRAM (no record); a disk one moves to DRAM */
+        /* a DRAM value replaced stays in DRAM (no record); a disk one moves to DRAM.
+         * A promotion's bytes are the disk copy's (read from it under this
+         * version), so the new entry keeps that copy: evicting it again writes nothing. */
         if (old != NONE32 && E[old].state == E_DISK) {
             event_record(p, old, TIER_DISK, R_PROMOTED, TIER_CPU);
+            if (it->cond_version) disk_take_over(p, old, it->idx);
             entry_remove(p, old, R_NONE);
         } else if (old != NONE32) {
             entry_remove(p, old, R_NONE);
@@ -3151,6 +3243,7 @@ static PyObject *Pool_stats(Pool *p, PyObject *args) {
     PUT("puts", snap.c_puts);
     PUT("evictions", snap.c_evictions);
     PUT("spills", snap.c_spills);
+    PUT("clean_spills", snap.c_clean_spills);
     PUT("disk_hits", snap.c_disk_hits);
     PUT("promotions", snap.c_promotions);
     PUT("disk_drops", snap.c_disk_drops);
@@ -3188,7 +3281,7 @@ static PyObject *Pool_check(Pool *p, PyObject *args) {
         entry_t *E = ENT(p);
         uint32_t *nx = NEXT(p);
         uint8_t *seen = calloc(h->n_pages + 1, 1);
-        uint32_t owned = 0, nl = 0, nsp = 0, nd = 0, nr = 0, used = 0, rp = 0;
+        uint32_t owned = 0, nl = 0, nsp = 0, nd = 0, nr = 0, used = 0, rp = 0, nc = 0;
         for (uint32_t i = 0; i < h->entries_hwm; i++) {
             entry_t *e = &E[i];
             if (e->state == E_FREE) continue;
@@ -3196,6 +3289,9 @@ static PyObject *Pool_check(Pool *p, PyObject *args) {
             if (e->state == E_LIVE) nl++;
             if (e->state == E_SPILLING) nsp++;
             if (e->state == E_DISK) nd++;
+            if (e->on_disk && e->state == E_LIVE) nc++;
+            if (e->on_disk != (e->state == E_DISK) && !(e->on_disk && e->state == E_LIVE))
+                PROBLEM("entry %u in state %u %s a disk copy; ", i, e->state, e->on_disk ? "claims" : "lacks");
             if (e->state == E_RESERVED) {
                 nr++;
                 rp += e->npages;
@@ -3233,14 +3329,16 @@ static PyObject *Pool_check(Pool *p, PyObject *args) {
         if (cnt != nl) PROBLEM("lru length %u != live %u; ", cnt, nl);
         cnt = 0;
         int disorder = 0, dropped = 0;
-        for (uint32_t i = h->disk_head, prev = NONE32; i != NONE32 && cnt <= h->max_keys; prev = i, i = E[i].next) {
+        for (uint32_t i = h->disk_head, prev = NONE32; i != NONE32 && cnt <= h->max_keys; prev = i, i = E[i].dnext) {
             cnt++;
+            if (E[i].dprev != prev) PROBLEM("disk list back link broken at %u; ", i);
+            if (!E[i].on_disk) PROBLEM("entry %u in the disk list without a disk copy; ", i);
             if (E[i].disk_seg < h->disk_first_seg) dropped++;
             if (prev != NONE32 && (E[prev].disk_seg < E[i].disk_seg ||
                                    (E[prev].disk_seg == E[i].disk_seg && E[prev].disk_off < E[i].disk_off)))
                 disorder++;
         }
-        if (cnt != nd) PROBLEM("disk list length %u != disk %u; ", cnt, nd);
+        if (cnt != nd + nc) PROBLEM("disk list length %u != disk %u + clean copies %u; ", cnt, nd, nc);
         if (disorder) PROBLEM("disk list out of position order at %d places; ", disorder);
         if (dropped) PROBLEM("%d disk objects in dropped segments; ", dropped);
         if (h->disk_file_bytes > h->disk_capacity) PROBLEM("disk bytes over capacity; ");
