@@ -31,6 +31,16 @@ def open_pool(opts: dict) -> LocalBackend:
     return LocalBackend.create(LocalOptions(**opts), BackendContext())
 
 
+def open_disk_pool(opts: dict, tmp_path, **kw) -> LocalBackend:
+    """Four 64 KiB objects of DRAM over a disk tier (``kw``: its size, segments, checksum)."""
+    opts.update(capacity=256 * KiB, page_size=64 * KiB, disk_path=str(tmp_path / "d"), **kw)
+    return open_pool(opts)
+
+
+def put_one(be: LocalBackend, key: str, v: np.ndarray) -> list[Status]:
+    return be.put([key], [[Region(v.ctypes.data, len(v))]], T)
+
+
 @pytest.fixture
 def pool_opts():
     opts = {"name": f"t-{uuid.uuid4().hex[:10]}", "capacity": 4 * MiB}
@@ -355,8 +365,7 @@ def test_sigkill_mid_put_releases_its_reserved_pages(pool_opts):
 
 
 def test_sigkill_mid_spill_keeps_the_object_in_dram(pool_opts, tmp_path):
-    pool_opts.update(capacity=256 * KiB, page_size=64 * KiB, disk_path=str(tmp_path / "d"), disk_capacity=MiB)
-    be = open_pool(pool_opts)
+    be = open_disk_pool(pool_opts, tmp_path, disk_capacity=MiB)
     try:
         vals = [np.full(64 * KiB, i + 1, np.uint8) for i in range(4)]
         assert (
@@ -384,20 +393,16 @@ def test_sigkill_mid_spill_keeps_the_object_in_dram(pool_opts, tmp_path):
 def test_a_rebuild_after_a_death_in_the_lock_keeps_clean_disk_copies_right(pool_opts, tmp_path):
     # after the rebuild, a promoted object still goes back to its disk copy (nothing written),
     # one overwritten after its promotion does not, and both read back exact
-    pool_opts.update(capacity=256 * KiB, page_size=64 * KiB, disk_path=str(tmp_path / "d"),
-                     disk_capacity=4 * MiB, disk_segment_size=256 * KiB, checksum=True)
-    be = open_pool(pool_opts)
+    be = open_disk_pool(pool_opts, tmp_path, disk_capacity=4 * MiB, disk_segment_size=256 * KiB, checksum=True)
     try:
         vals = [np.full(64 * KiB, i + 1, np.uint8) for i in range(16)]
-        def put(k, v):
-            return be.put([k], [[Region(v.ctypes.data, len(v))]], T)
         out = np.zeros(64 * KiB, np.uint8)
         def get(k):
             return be.get([k], [[Region(out.ctypes.data, len(out))]], T)
         for i in range(8):  # c/0..c/3 on disk
-            assert put(f"c/{i}", vals[i]) == [OK]
+            assert put_one(be, f"c/{i}", vals[i]) == [OK]
         assert get("c/0") == [OK] and get("c/1") == [OK]  # promoted: both keep their copies
-        assert put("c/1", vals[15]) == [OK]  # a new value: its copy is gone
+        assert put_one(be, "c/1", vals[15]) == [OK]  # a new value: its copy is gone
         hooks = be.test_hooks()
         p = run(child_hold_lock, pool_opts)
         wait_for(lambda: hooks.holder() == p.pid)
@@ -408,7 +413,7 @@ def test_a_rebuild_after_a_death_in_the_lock_keeps_clean_disk_copies_right(pool_
         before = be.stats()
         # DRAM: c/7, c/0, c/1 (LRU first) and one free page run; four puts evict all three
         for i in range(8, 12):
-            assert put(f"m/{i}", vals[i]) == [OK]
+            assert put_one(be, f"m/{i}", vals[i]) == [OK]
         assert hooks.pages(["c/0", "c/1", "c/7"]) == [[], [], []]  # all on disk now
         after = be.stats()
         assert after["clean_spills"] - before["clean_spills"] == 1  # c/0
@@ -424,13 +429,11 @@ def test_spills_that_finish_out_of_order_leave_no_object_in_a_dropped_segment(po
     # a child's spill of v/0 (segment 0) finishes after this process's spills into later segments;
     # the disk list must stay in position order, or dropping segment 0 leaves v/0 behind, pointing
     # at a deleted file (found by exists, a miss on get, and wrong bytes once the path is re-created)
-    pool_opts.update(capacity=256 * KiB, page_size=64 * KiB, disk_path=str(tmp_path / "d"),
-                     disk_capacity=1 * MiB, disk_segment_size=128 * KiB, checksum=False)
-    be = open_pool(pool_opts)
+    be = open_disk_pool(pool_opts, tmp_path, disk_capacity=1 * MiB, disk_segment_size=128 * KiB, checksum=False)
     try:
         vals = [np.full(64 * KiB, i + 1, np.uint8) for i in range(24)]
         def put(k, i):
-            return be.put([k], [[Region(vals[i].ctypes.data, 64 * KiB)]], T)
+            return put_one(be, k, vals[i])
         for i in range(4):
             assert put(f"v/{i}", i) == [OK]
         hooks = be.test_hooks()
