@@ -431,3 +431,25 @@ def test_a_disk_copy_that_is_not_the_objects_bytes_reads_as_corrupt(make_pool, t
         assert _put(be, f"g/{i}", vals[i]) == OK
     assert be.stats()["clean_spills"] == 1
     assert _get(be, "g/0", out) == CORRUPT
+
+
+def test_an_object_read_from_the_oldest_segment_is_not_dropped_by_its_own_promotion(make_pool, tmp_path):
+    # disk full (four segments of four objects): the promotion must spill a DRAM victim, and
+    # room for it means dropping the oldest segment, the one the object was just read from;
+    # that segment is kept and the victim evicted instead, so the object read stays pooled
+    be = _clean_pool(make_pool, tmp_path, disk_capacity=1 * MiB)
+    size = 64 * KiB
+    vals = [value(500 + i, size) for i in range(21)]
+    for i in range(20):  # o/0..o/15 on disk (segments 0..3, full), o/16..o/19 in DRAM
+        assert _put(be, f"o/{i}", vals[i]) == OK
+    assert be.stats()["disk_file_bytes"] == 1 * MiB
+    out = np.zeros(size, np.uint8)
+    assert _get(be, "o/0", out) == OK and np.array_equal(out, vals[0])
+    assert be.exists(["o/0"], T) == [OK] and be.test_hooks().pages(["o/0"]) != [[]]  # now in DRAM
+    assert be.exists(["o/1", "o/2", "o/3"], T) == [OK] * 3  # its segment was not dropped
+    assert be.exists(["o/16"], T) == [NOT_FOUND]  # the LRU victim was evicted without a spill
+    assert be.test_hooks().check() == ""
+    assert _put(be, "o/20", vals[20]) == OK  # the next spill drops segment 0 as usual
+    assert be.exists(["o/1"], T) == [NOT_FOUND]
+    assert _get(be, "o/0", out) == OK and np.array_equal(out, vals[0])
+    assert be.test_hooks().check() == ""

@@ -1018,14 +1018,25 @@ static uint32_t disk_victim(Pool *p) {
 
 /* Does the oldest disk segment hold a pinned object? (Its objects sit at the
  * tail of the disk list.) Lock held. */
+/* The versions of the disk objects this thread is promoting right now (op_get's
+ * promotion, a conditional put): the spills that make room for them must not
+ * drop the segment they were read from, or the promotion would find its own
+ * object gone and the object just read would leave the pool. */
+static __thread const uint64_t *promoting;
+static __thread Py_ssize_t n_promoting;
+
 static int seg_pinned(Pool *p, uint64_t seg) {
     entry_t *E = ENT(p);
     uint64_t now = now_ns();
-    for (uint32_t i = p->h->disk_tail; i != NONE32 && E[i].disk_seg <= (uint32_t)seg; i = E[i].dprev)
-        if (E[i].state == E_DISK && E[i].pin_until && entry_pinned(p, &E[i], now)) { /* a DRAM one needs no copy */
+    for (uint32_t i = p->h->disk_tail; i != NONE32 && E[i].disk_seg <= (uint32_t)seg; i = E[i].dprev) {
+        if (E[i].state != E_DISK) continue; /* a DRAM object needs no copy */
+        for (Py_ssize_t k = 0; k < n_promoting; k++)
+            if (promoting[k] == E[i].version) return 1;
+        if (E[i].pin_until && entry_pinned(p, &E[i], now)) {
             p->h->c_pinned_skips++;
             return 1;
         }
+    }
     return 0;
 }
 
@@ -2101,9 +2112,11 @@ static void op_get(Pool *p, batch_t *b, double deadline) {
     for (Py_ssize_t i = 0; i < b->n; i++)
         if (b->items[i].status == ST_OK && b->items[i].state == E_DISK) npg += (b->items[i].size + P - 1) / P;
     pages = malloc(sizeof(uint32_t) * (npg + 1));
-    if (!pb.items || !pages) {
+    uint64_t *versions = malloc(sizeof(uint64_t) * (n + 1));
+    if (!pb.items || !pages || !versions) {
         free(pb.items);
         free(pages);
+        free(versions);
         return;
     }
     size_t po = 0;
@@ -2116,10 +2129,16 @@ static void op_get(Pool *p, batch_t *b, double deadline) {
         q->cond_version = it->version;
         q->pages = pages + po;
         po += (it->size + P - 1) / P;
+        versions[pb.n - 1] = it->version;
     }
+    promoting = versions;
+    n_promoting = pb.n;
     op_put(p, &pb, deadline);
+    promoting = NULL;
+    n_promoting = 0;
     free(pb.items);
     free(pages);
+    free(versions);
 }
 
 static void op_remove(Pool *p, batch_t *b, double deadline) {
