@@ -198,9 +198,15 @@ def _scheduler_run(backend: str, num_requests: int, steps: int) -> tuple[int, li
 
 _IN_PROCESS = (
     "import json, sys; sys.path.insert(0, {here!r}); import torch; torch.set_num_threads(1); "
-    "import bench_connector as b; "
-    "print('RUNS', json.dumps([b._scheduler_run({backend!r}, {n}, {steps}) for _ in range({k})]))"
+    "import bench_connector as b; print('OUT', json.dumps({expr}))"
 )
+
+
+def _in_fresh_process(expr: str) -> Any:
+    """The JSON value of ``expr`` (over this module as ``b``), evaluated in a fresh interpreter."""
+    code = _IN_PROCESS.format(here=str(Path(__file__).resolve().parent), expr=expr)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return json.loads([ln for ln in out.splitlines() if ln.startswith("OUT ")][-1][4:])
 
 
 def _runs_in_processes(backend: str, num_requests: int, steps: int, engines: int, procs: int
@@ -209,11 +215,8 @@ def _runs_in_processes(backend: str, num_requests: int, steps: int, engines: int
     runs: list[tuple[int, list[tuple[float, float]]]] = []
     for i in range(procs):
         k = engines // procs + (i < engines % procs)
-        code = _IN_PROCESS.format(here=str(Path(__file__).resolve().parent), backend=backend, n=num_requests,
-                                  steps=steps, k=k)
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-        line = [ln for ln in out.splitlines() if ln.startswith("RUNS ")][-1]
-        runs += [(n, [(a, c) for a, c in steps_]) for n, steps_ in json.loads(line[5:])]
+        got = _in_fresh_process(f"[b._scheduler_run({backend!r}, {num_requests}, {steps}) for _ in range({k})]")
+        runs += [(n, [(a, c) for a, c in steps_]) for n, steps_ in got]
     return runs
 
 
@@ -246,12 +249,6 @@ def _transfer_rows(backend: str, n: int, rounds: int) -> list[dict]:
             transfer_ratio(backend, 64, rounds, 1), transfer_ratio(backend, 64, rounds, 1, block_size=128)]
 
 
-_TRANSFERS_IN_PROCESS = (
-    "import json, sys; sys.path.insert(0, {here!r}); import torch; torch.set_num_threads(1); "
-    "import bench_connector as b; print('ROWS', json.dumps(b._transfer_rows({backend!r}, {n}, {rounds})))"
-)
-
-
 def transfers_across(backend: str, n: int, rounds: int, procs: int) -> list[dict]:
     """The transfer rows measured in ``procs`` fresh processes, one after the other: every
     figure the median of the process medians (min..max across processes), with each
@@ -261,12 +258,7 @@ def transfers_across(backend: str, n: int, rounds: int, procs: int) -> list[dict
     average out."""
     if procs <= 1:
         return _transfer_rows(backend, n, rounds)
-    runs = []
-    for _ in range(procs):
-        code = _TRANSFERS_IN_PROCESS.format(here=str(Path(__file__).resolve().parent), backend=backend, n=n,
-                                            rounds=rounds)
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-        runs.append(json.loads([ln for ln in out.splitlines() if ln.startswith("ROWS ")][-1][5:]))
+    runs = [_in_fresh_process(f"b._transfer_rows({backend!r}, {n}, {rounds})") for _ in range(procs)]
     rows = []
     for i, first in enumerate(runs[0]):
         row = {k: v for k, v in first.items() if k not in ("gbps", "ratio")}
