@@ -252,3 +252,48 @@ def test_a_pinning_scan_racing_eviction_counts_only_what_it_pinned(make_pool):
     assert not errors
     assert counted_total > 0
     assert be.pinned() == 0
+
+
+def test_the_scan_hashes_a_key_as_put_does_wherever_prefix_and_suffix_split_it(make_pool):
+    """The scan continues each prefix's hash state over the suffix (8-byte words, a
+    word left open where a prefix ends) while put hashes the whole key: both must
+    agree at every split, for str suffixes of any length (ASCII or not) and raw
+    hashes of any length (hex-encoded 16 bytes at a time, the rest one by one)."""
+    be = make_pool(max_keys=4096)
+    rng = random.Random(7)
+    base = "p" + "".join(rng.choice("abcdef0123456789@") for _ in range(40))
+    cases = []
+    for plen in range(0, 18):
+        for slen in (0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65):
+            cases.append((base[:plen] or "é", base[::-1][:slen]))
+    cases += [("ключ@", "é" * 9), ("k@", "€x" * 20)]  # multi-byte UTF-8 on both sides
+    raws = [rng.randbytes(n) for n in (1, 15, 16, 17, 31, 32, 33, 48, 64, 100)]
+    cases += [("raw@" + "x" * k, r) for k in range(8) for r in raws]
+    keys = [p + (s.hex() if isinstance(s, bytes) else s) for p, s in cases]
+    store(be, keys)
+    for p, s in cases:
+        assert be.prefix_run([p], [s], T)[:2] == (Status.OK, 1), (p, s)
+        assert be.prefix_run([p], [s + (b"\0" if isinstance(s, bytes) else "x")], T)[:2] == (Status.OK, 0)
+    # and a whole prompt of them in one call, several prefixes per chunk
+    prefixes = [base[:5], base[:13]]
+    hashes = [rng.randbytes(32) for _ in range(40)]
+    store(be, [p + h.hex() for h in hashes for p in prefixes])
+    assert be.prefix_run(prefixes, hashes, T)[:2] == (Status.OK, 40)
+    assert be.prefix_run(prefixes, [h.hex() for h in hashes], T)[:2] == (Status.OK, 40)
+
+
+def test_a_repeated_scan_still_leaves_the_prompt_in_lru_order_after_other_reads(make_pool):
+    """A scan whose run already opens the LRU list in order touches nothing; one
+    whose run was disturbed (another key read since) restores the order, so the
+    prompt's tail is still what eviction takes first."""
+    be = make_pool(capacity=32 * KiB, page_size=4 * KiB, max_keys=64)  # room for 8 objects
+    keys = [f"c@{i:04d}" for i in range(8)]
+    sufs = [k[2:] for k in keys]
+    store(be, keys)
+    assert be.prefix_run(["c@"], sufs, T)[:2] == (Status.OK, 8)
+    assert be.prefix_run(["c@"], sufs, T)[:2] == (Status.OK, 8)  # in order already: nothing moves
+    assert be.exists([keys[7]], T) == [Status.OK]  # chunk 7 is the most recently used now
+    assert be.prefix_run(["c@"], sufs, T)[:2] == (Status.OK, 8)  # back in prompt order
+    store(be, ["other"])
+    st = be.exists(keys, T)
+    assert st[:7] == [Status.OK] * 7 and st[7] is Status.NOT_FOUND  # the tail went (not chunk 6)

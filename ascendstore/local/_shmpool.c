@@ -55,7 +55,7 @@
 /* ------------------------------------------------------------------ constants */
 
 #define POOL_MAGIC 0x31305453414c5341ULL /* "ASLAST01" */
-#define POOL_LAYOUT 8u
+#define POOL_LAYOUT 9u
 #define NONE32 0xffffffffu
 #define MAX_KEY 256
 #define MAX_PROCS 512
@@ -200,13 +200,88 @@ static PyObject *status_table = NULL; /* tuple of Status members, indexed by cod
 
 /* ------------------------------------------------------------------ hashing */
 
-static uint64_t key_hash(const char *k, size_t n) {
-    uint64_t h = 0xcbf29ce484222325ULL; /* FNV-1a, then a final mix */
-    for (size_t i = 0; i < n; i++) h = (h ^ (uint8_t)k[i]) * 0x100000001b3ULL;
+/* Key hash, streaming so a scan can continue it from each key prefix's state.
+ * One multiply per 8-byte word, where FNV-1a (layouts < 9) took one per byte: a
+ * 128k-token prompt's lookup hashes ~1024 keys of ~120 bytes, and that chain of
+ * dependent multiplies was most of the scan's native time, and the part a busy
+ * host slowed most (the scan ran 55% slower in the VM's slow phases, an exists
+ * 26%). Words are read little-endian, so a key hashes the same however it is
+ * split into updates; the length and a final avalanche (murmur3's fmix64) go in
+ * last, since only the low bits pick the bucket. */
+typedef struct {
+    uint64_t h, tail, len;
+    uint32_t ntail; /* bytes held in tail, < 8 */
+} kh_t;
+
+#define KH_SEED 0x9e3779b97f4a7c15ULL
+#define KH_MUL 0xff51afd7ed558ccdULL
+
+static inline uint64_t kh_word(uint64_t h, uint64_t w) {
+    uint64_t x = (h ^ w) * KH_MUL;
+    return (x << 29) | (x >> 35); /* the rotation brings the product's high bits down */
+}
+
+static inline uint64_t kh_load(const char *p) {
+    uint64_t w;
+    memcpy(&w, p, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    w = __builtin_bswap64(w);
+#endif
+    return w;
+}
+
+static inline void kh_init(kh_t *s) { *s = (kh_t){KH_SEED, 0, 0, 0}; }
+
+static inline void kh_update(kh_t *s, const char *p, size_t n) {
+    s->len += n;
+    uint64_t h = s->h, tail = s->tail;
+    uint32_t t = s->ntail;
+    if (t == 0) {
+        for (; n >= 8; p += 8, n -= 8) h = kh_word(h, kh_load(p));
+    } else {
+        /* t bytes of a word are open (a key prefix rarely ends on a word): each
+         * 8 bytes read complete it and leave t bytes open again, no byte loop */
+        unsigned sh = 8 * t;
+        for (; n >= 8; p += 8, n -= 8) {
+            uint64_t w = kh_load(p);
+            h = kh_word(h, tail | (w << sh));
+            tail = w >> (64 - sh);
+        }
+    }
+    for (; n; n--) {
+        tail |= (uint64_t)(uint8_t)*p++ << (8 * t);
+        if (++t == 8) {
+            h = kh_word(h, tail);
+            tail = 0;
+            t = 0;
+        }
+    }
+    s->h = h;
+    s->tail = tail;
+    s->ntail = t;
+}
+
+static inline uint64_t kh_final(const kh_t *s) {
+    uint64_t h = s->ntail ? kh_word(s->h, s->tail) : s->h;
+    h ^= s->len * 0xc4ceb9fe1a85ec53ULL;
     h ^= h >> 33;
     h *= 0xff51afd7ed558ccdULL;
     h ^= h >> 33;
+    h *= 0xc4ceb9fe1a85ec53ULL;
+    h ^= h >> 33;
     return h;
+}
+
+/* the hash of prefix state s continued by n more bytes (s is not changed) */
+static inline uint64_t kh_more(kh_t s, const char *p, size_t n) {
+    kh_update(&s, p, n);
+    return kh_final(&s);
+}
+
+static uint64_t key_hash(const char *k, size_t n) {
+    kh_t s;
+    kh_init(&s);
+    return kh_more(s, k, n);
 }
 
 /* Streaming object checksum (independent of how the bytes are split into
@@ -690,6 +765,20 @@ static uint32_t find(Pool *p, const char *key, uint32_t klen, uint64_t hash) {
     while (i != NONE32) {
         entry_t *e = &E[i];
         if (e->hash == hash && e->keylen == klen && memcmp(e->key, key, klen) == 0) return i;
+        i = e->hnext;
+    }
+    return NONE32;
+}
+
+/* find() of the key prefix + suffix, compared in place (a scan builds no key copy) */
+static uint32_t find2(Pool *p, const char *pre, uint32_t pl, const char *suf, uint32_t sl, uint64_t hash) {
+    entry_t *E = ENT(p);
+    uint32_t i = BUCKETS(p)[hash & (p->h->n_buckets - 1)];
+    while (i != NONE32) {
+        entry_t *e = &E[i];
+        if (e->hash == hash && e->keylen == pl + sl && memcmp(e->key + pl, suf, sl) == 0 &&
+            memcmp(e->key, pre, pl) == 0)
+            return i;
         i = e->hnext;
     }
     return NONE32;
@@ -2792,7 +2881,7 @@ static PyObject *Pool_scan(Pool *p, PyObject *args) {
  * Chunk i is present when every key prefix + suffixes[i] (for each prefix) is
  * in the pool. Returns how many chunks from 0 are present as an unbroken run:
  * the scheduler's lookup of a prompt in one call, with no key strings or status
- * lists built in Python. Keys are hashed before the lock is taken (the FNV state
+ * lists built in Python. Keys are hashed before the lock is taken (the hash state
  * after each prefix is computed once); found keys are touched as exists does.
  *
  * gallop=0: one probe per chunk up to the first miss (exact).
@@ -2809,21 +2898,9 @@ typedef struct {
     const char *buf;       /* prefixes then suffixes, copied (the GIL is released) */
     uint32_t np, n;
     uint32_t *poff, *plen; /* np */
-    uint64_t *pstate;      /* FNV-1a state after each prefix */
+    kh_t *pstate;          /* key-hash state after each prefix */
     uint32_t *soff, *slen; /* n */
 } prefix_req_t;
-
-static uint64_t fnv_more(uint64_t h, const char *k, size_t n) {
-    for (size_t i = 0; i < n; i++) h = (h ^ (uint8_t)k[i]) * 0x100000001b3ULL;
-    return h;
-}
-
-static uint64_t fnv_mix(uint64_t h) {
-    h ^= h >> 33;
-    h *= 0xff51afd7ed558ccdULL;
-    h ^= h >> 33;
-    return h;
-}
 
 /* Entries of the chunks found present, touched after the scan (see scan_touch). */
 typedef struct {
@@ -2835,17 +2912,14 @@ typedef struct {
  * hashes: the chunk's np precomputed hashes or NULL. */
 static int chunk_present(Pool *p, const prefix_req_t *q, uint32_t i, const uint64_t *hashes, seen_t *seen,
                          size_t *nseen) {
-    char key[MAX_KEY];
     uint32_t sl = q->slen[i];
     const char *s = q->buf + q->soff[i];
     size_t n0 = *nseen;
     for (uint32_t j = 0; j < q->np; j++) {
         uint32_t pl = q->plen[j], kl = pl + sl;
         if (kl == 0 || kl > MAX_KEY) break; /* cannot be stored: absent */
-        memcpy(key, q->buf + q->poff[j], pl);
-        memcpy(key + pl, s, sl);
-        uint64_t hv = hashes ? hashes[j] : fnv_mix(fnv_more(q->pstate[j], s, sl));
-        uint32_t e = find(p, key, kl, hv);
+        uint64_t hv = hashes ? hashes[j] : kh_more(q->pstate[j], s, sl);
+        uint32_t e = find2(p, q->buf + q->poff[j], pl, s, sl, hv);
         if (e == NONE32) break;
         seen[(*nseen)++] = (seen_t){i, e, ENT(p)[e].version};
     }
@@ -2863,7 +2937,25 @@ static int cmp_seen_desc(const void *a, const void *b) {
  * most recently used, so LRU evicts a prefix from its tail and what stays is
  * still a prefix (evicting chunk 0 first would strand every later chunk).
  * Entries replaced since they were seen (another version) are skipped. Lock held. */
+/* 1 if the entries seen (in chunk order, none replaced, all in DRAM) already
+ * open the LRU list in that order: what touching them last chunk first would
+ * make. A waiting request is looked up every step; when nothing else was touched
+ * in between, its run is still there, and touching it again would rewrite the
+ * links of ~3 entries per key (the raw exists does) for the same order. Their
+ * ticks stay in the same order too (a rebuild after a crash orders by tick). */
+static int run_at_lru_head(Pool *p, const seen_t *seen, size_t nseen) {
+    entry_t *E = ENT(p);
+    uint32_t want = p->h->lru_head;
+    for (size_t k = 0; k < nseen; k++) {
+        const entry_t *e = &E[seen[k].idx];
+        if (seen[k].idx != want || e->version != seen[k].version || e->state != E_LIVE) return 0;
+        want = e->next;
+    }
+    return 1;
+}
+
 static void scan_touch(Pool *p, seen_t *seen, size_t nseen, int sorted) {
+    if (sorted && run_at_lru_head(p, seen, nseen)) return;
     if (!sorted) qsort(seen, nseen, sizeof *seen, cmp_seen_desc);
     entry_t *E = ENT(p);
     for (size_t k = 0; k < nseen; k++) {
@@ -2880,8 +2972,36 @@ static void prefix_req_free(prefix_req_t *q, char *buf) {
 }
 
 /* Copy (prefixes, suffixes) into q and a buffer of their bytes (*bufp), so the
- * GIL can be released; the FNV state after each prefix is computed here. Returns
+ * GIL can be released; the key-hash state after each prefix is computed here. Returns
  * -1 with an exception set on bad input (the caller frees with prefix_req_free). */
+/* The lowercase hex of n raw bytes (2n chars). A scheduler's lookup passes a
+ * prompt's raw chunk hashes (32 bytes each): with SSE2 (every x86-64), 16 bytes
+ * become 32 digits in a handful of vector ops instead of 32 byte-pair stores. */
+#if defined(__SSE2__)
+#include <emmintrin.h>
+static inline __m128i hex_digits(__m128i nib) {
+    __m128i letter = _mm_and_si128(_mm_cmpgt_epi8(nib, _mm_set1_epi8(9)), _mm_set1_epi8('a' - '0' - 10));
+    return _mm_add_epi8(_mm_add_epi8(nib, _mm_set1_epi8('0')), letter);
+}
+#endif
+
+static void hex_encode(char *out, const uint8_t *in, size_t n) {
+    static const char hexd[] = "0123456789abcdef";
+    size_t i = 0;
+#if defined(__SSE2__)
+    for (; i + 16 <= n; i += 16) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(in + i)), m = _mm_set1_epi8(0x0f);
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), m), lo = _mm_and_si128(v, m);
+        _mm_storeu_si128((__m128i *)(out + 2 * i), hex_digits(_mm_unpacklo_epi8(hi, lo)));
+        _mm_storeu_si128((__m128i *)(out + 2 * i + 16), hex_digits(_mm_unpackhi_epi8(hi, lo)));
+    }
+#endif
+    for (; i < n; i++) {
+        out[2 * i] = hexd[in[i] >> 4];
+        out[2 * i + 1] = hexd[in[i] & 15];
+    }
+}
+
 static int prefix_req_parse(PyObject *prefs, PyObject *sufs, const char *fn, prefix_req_t *q, char **bufp) {
     int rc = -1;
     PyObject *pf = PySequence_Fast(prefs, "prefixes must be a sequence of str");
@@ -2893,6 +3013,7 @@ static int prefix_req_parse(PyObject *prefs, PyObject *sufs, const char *fn, pre
     }
     Py_ssize_t np = PySequence_Fast_GET_SIZE(pf), n = PySequence_Fast_GET_SIZE(sf);
     char *buf = NULL;
+    const char **src = NULL; /* each item's bytes (held by the sequences); a raw hash's are hex-encoded */
     if (np < 1 || np > 1 << 16 || n > 1 << 24) {
         PyErr_Format(PyExc_ValueError, "%s: 1..65536 prefixes and at most 2^24 suffixes", fn);
         goto out;
@@ -2900,21 +3021,28 @@ static int prefix_req_parse(PyObject *prefs, PyObject *sufs, const char *fn, pre
     q->np = (uint32_t)np;
     q->n = (uint32_t)n;
     q->poff = malloc(sizeof(uint32_t) * 2 * np);
-    q->pstate = malloc(sizeof(uint64_t) * np);
+    q->pstate = malloc(sizeof(kh_t) * np);
     q->soff = malloc(sizeof(uint32_t) * 2 * (n + 1));
-    if (!q->poff || !q->pstate || !q->soff) {
+    src = malloc(sizeof(char *) * (np + n));
+    if (!q->poff || !q->pstate || !q->soff || !src) {
         PyErr_NoMemory();
         goto out;
     }
     q->plen = q->poff + np;
     q->slen = q->soff + n + 1;
+    /* One pass over the Python objects: lengths and where their bytes are (an ASCII
+     * str, every key here, is read in place without a call); then one copy. */
     size_t tot = 0;
     for (Py_ssize_t k = 0; k < np + n; k++) {
         PyObject *o = k < np ? PySequence_Fast_GET_ITEM(pf, k) : PySequence_Fast_GET_ITEM(sf, k - np);
         Py_ssize_t l;
         if (k >= np && PyBytes_Check(o)) {
             l = 2 * PyBytes_GET_SIZE(o); /* a raw hash: its lowercase hex is the suffix */
-        } else if (!PyUnicode_Check(o) || !PyUnicode_AsUTF8AndSize(o, &l)) {
+            src[k] = NULL;
+        } else if (PyUnicode_Check(o) && PyUnicode_IS_COMPACT_ASCII(o)) {
+            l = PyUnicode_GET_LENGTH(o);
+            src[k] = (const char *)PyUnicode_DATA(o);
+        } else if (!PyUnicode_Check(o) || !(src[k] = PyUnicode_AsUTF8AndSize(o, &l))) {
             if (!PyErr_Occurred()) PyErr_Format(PyExc_TypeError, "%s: prefixes must be str, suffixes str or bytes", fn);
             goto out;
         }
@@ -2930,32 +3058,25 @@ static int prefix_req_parse(PyObject *prefs, PyObject *sufs, const char *fn, pre
     }
     size_t o = 0;
     for (Py_ssize_t k = 0; k < np + n; k++) {
-        PyObject *s = k < np ? PySequence_Fast_GET_ITEM(pf, k) : PySequence_Fast_GET_ITEM(sf, k - np);
-        Py_ssize_t l;
+        uint32_t l = k < np ? q->plen[k] : q->slen[k - np];
         uint32_t *off = k < np ? &q->poff[k] : &q->soff[k - np];
         *off = (uint32_t)o;
-        if (k >= np && PyBytes_Check(s)) {
-            static const char hexd[] = "0123456789abcdef";
-            const uint8_t *c = (const uint8_t *)PyBytes_AS_STRING(s);
-            l = 2 * PyBytes_GET_SIZE(s);
-            if (l <= MAX_KEY) {
-                for (Py_ssize_t i = 0; i < l / 2; i++) {
-                    buf[o++] = hexd[c[i] >> 4];
-                    buf[o++] = hexd[c[i] & 15];
-                }
-            }
-            continue;
+        if (l > MAX_KEY) continue;
+        if (src[k]) {
+            memcpy(buf + o, src[k], l);
+        } else {
+            hex_encode(buf + o, (const uint8_t *)PyBytes_AS_STRING(PySequence_Fast_GET_ITEM(sf, k - np)), l / 2);
         }
-        const char *c = PyUnicode_AsUTF8AndSize(s, &l);
-        if (l <= MAX_KEY) {
-            memcpy(buf + o, c, l);
-            o += l;
-        }
+        o += l;
     }
     q->buf = buf;
-    for (uint32_t j = 0; j < q->np; j++) q->pstate[j] = fnv_more(0xcbf29ce484222325ULL, buf + q->poff[j], q->plen[j]);
+    for (uint32_t j = 0; j < q->np; j++) {
+        kh_init(&q->pstate[j]);
+        kh_update(&q->pstate[j], buf + q->poff[j], q->plen[j]);
+    }
     rc = 0;
 out:
+    free(src);
     *bufp = buf;
     Py_DECREF(pf);
     Py_DECREF(sf);
@@ -3030,7 +3151,7 @@ static PyObject *Pool_prefix_run(Pool *p, PyObject *args) {
                 uint32_t end = q.n - hashed < block ? q.n : hashed + block;
                 for (uint32_t i = hashed; i < end; i++)
                     for (uint32_t j = 0; j < q.np; j++)
-                        hashes[(size_t)i * q.np + j] = fnv_mix(fnv_more(q.pstate[j], buf + q.soff[i], q.slen[i]));
+                        hashes[(size_t)i * q.np + j] = kh_more(q.pstate[j], buf + q.soff[i], q.slen[i]);
                 hashed = end;
                 block *= 4;
                 if ((st = pool_lock(p, deadline))) break;
@@ -3119,7 +3240,7 @@ static PyObject *Pool_unpin_run(Pool *p, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         for (uint32_t i = 0; i < q.n; i++)
             for (uint32_t j = 0; j < q.np; j++)
-                hashes[(size_t)i * q.np + j] = fnv_mix(fnv_more(q.pstate[j], buf + q.soff[i], q.slen[i]));
+                hashes[(size_t)i * q.np + j] = kh_more(q.pstate[j], buf + q.soff[i], q.slen[i]);
         st = ensure_slot(p, deadline);
         if (!st && nk && !(st = pool_lock(p, deadline))) {
             char key[MAX_KEY];
