@@ -12,9 +12,10 @@ median of ``--calls`` calls, ratios per round:
    (raw hashes, as the scheduler passes them), ``exists`` (the generic path:
    key strings + one batched exists + first miss in Python). This part runs in
    ``--procs`` fresh processes one after the other (so does part 2) and each
-   figure is the median over processes: within a process the scan's ratio holds to ~1%, but its level
-   moves by up to ~15% from one process to the next (as the local pool's copies
-   do, see bench_local.py), more than two single-process runs may differ by.
+   figure is the median over processes: within a process a ratio holds to ~1%,
+   but a process's pool and objects land where the host's caches serve them
+   well or badly (the same call 30-60% slower, memory-bound calls most; see
+   docs/benchmarking.md), more than two single-process runs may differ by.
 2. The connector's whole ``get_num_new_matched_tokens`` for a real vLLM
    ``Request`` of 128k tokens (16-token blocks, 128-token chunks: the hash chain
    of 8192 blocks), through vLLM's scheduler-side connector, against the raw
@@ -194,11 +195,13 @@ def part_scheduler(args) -> dict:  # type: ignore[no-untyped-def]
 
         def first_lookup() -> float:
             # A request's first lookup, which also pins what it counts (pins are on by
-            # default): its earlier holding is let go first, untimed.
+            # default): its earlier holding, and the chunk hashes the scheduler keeps
+            # while a request waits, are let go first, untimed.
             out = []
             for _ in range(args.calls):
                 if pins is not None:
                     pins.release(req.request_id)
+                sched._chunk_hashes.pop(req.request_id, None)
                 t0 = clock_ns()
                 conn.get_num_new_matched_tokens(req, 0)
                 out.append((clock_ns() - t0) / 1e3)
@@ -298,14 +301,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=PROMPTS[-1])
     ap.add_argument("--holes", type=float, nargs="*", default=[0.0, 0.001, 0.01, 0.05])
     ap.add_argument("--hole-trials", type=int, default=8)
-    ap.add_argument("--procs", type=int, default=0, help="fresh processes for the prompt rows (0: 7, --quick: 1)")
+    ap.add_argument("--procs", type=int, default=0, help="fresh processes for the prompt rows (0: 9, --quick: 1)")
     ap.add_argument("--quick", action="store_true", help="fewer rounds and calls")
     ap.add_argument("--json", help="also write the results as JSON here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.calls, args.hole_trials = 3, 7, 4
-    args.procs = args.procs or (1 if args.quick else 7)
+    args.procs = args.procs or (1 if args.quick else 9)
 
     env0 = env_info()
     ctx = BackendContext(role="scheduler", instance_id=f"bench-lookup-{uuid.uuid4().hex[:8]}", timeout_s=5.0)

@@ -155,14 +155,17 @@ class LookupPins:
         """The native scan pinned ``hashes`` (the chunks it counted, of ``tenant``,
         from chunk ``run[1]``) for ``req_id``: hold them in its place (replacing
         its earlier holding). Hashes are compared as given: one connector passes
-        one form (raw or hex); a mix would only unpin early."""
+        one form (raw or hex); a mix would only unpin early. A list is kept as it
+        is (the caller's own copy: a first lookup of a 128k prompt copies 1024
+        hashes once, not twice)."""
         with self._lock:
             self.expire()
             old = self._held.get(req_id)
             if old is not None and old.scope == tenant and old.run == run:
                 old.expires = self._clock() + self.lease_s  # the same run, pinned again
                 return
-            self._replace(req_id, _Holding(list(hashes), 1, self._clock() + self.lease_s, run, tenant, run[1]))
+            units = hashes if type(hashes) is list else list(hashes)
+            self._replace(req_id, _Holding(units, 1, self._clock() + self.lease_s, run, tenant, run[1]))
 
     def _replace(self, req_id: str, new: _Holding | None, extra: Sequence = ()) -> None:
         # Hold the new before letting go of the old: what both have stays pinned.

@@ -104,6 +104,12 @@ class AscendStoreScheduler:
         self.request_params_hooks: list[RequestParamsHook] = []
         # Operator metrics and admission (docs/failure-semantics.md, docs/benchmarking.md).
         self._lookup_local: dict[str, int] = {}  # req -> device hit tokens at its last lookup
+        #: a waiting request's chunk hashes between its lookups (vLLM asks every step
+        #: until it schedules the request): req -> (its block hash list, blocks, chunk
+        #: hashes from chunk 0). Picking every bpc-th of a 128k prompt's 8192 block
+        #: hashes touched ~2,000 scattered cache lines a lookup: the part of it that
+        #: slowed most when the host's caches were contended.
+        self._chunk_hashes: dict[str, tuple[list, int, list]] = {}
         self._tenant_label = LabelCap(cfg.metrics_max_tenants)
         self._admission = SaveAdmission(cfg.admit_after_hits, cfg.save_budget_bytes_per_step, cfg.admit_track_chunks)
         self._chunk_bytes = chunk_kv_bytes(ctx)
@@ -221,15 +227,10 @@ class AscendStoreScheduler:
             start += 1  # the partial tail chunk is already on the device
         if start >= nchunks:
             return 0, False
-        # Only chunks beyond the device hit are queried (long prompts: skip the rest). A
-        # chunk's key is the chained hash of its last block: every bpc-th hash, a slice.
-        bh = request.block_hashes
-        last = bh[start * bpc + bpc - 1 : nblocks : bpc]
-        if len(last) < nchunks - start:
-            last.append(bh[nblocks - 1])  # the partial tail chunk
-        if type(last[0]) is not bytes:  # older vLLM block hashes: hex strings per chunk
-            last = [block_hash_hex(h) for h in last]
-        hashes = [""] * start + last
+        # Only chunks beyond the device hit are queried (long prompts: skip the rest).
+        hashes = self._request_chunk_hashes(request, nblocks, nchunks)
+        if start:
+            hashes = [""] * start + hashes[start:]
         tenant = self.ctx.tenant(request.cache_salt)
         hit = self._prefix_hits(tenant, hashes, start, request.request_id)
         # A chunk that failed to load for this request is not offered again: vLLM
@@ -254,6 +255,25 @@ class AscendStoreScheduler:
         self._matched[request.request_id] = (num_computed_tokens, new, is_async, start)
         return new, is_async
 
+    def _request_chunk_hashes(self, request: Request, nblocks: int, nchunks: int) -> list:
+        """The hashes naming chunks 0..nchunks-1 of the request's first ``nblocks``
+        blocks (kept while the request waits: vLLM only appends block hashes)."""
+        bh = request.block_hashes
+        kept = self._chunk_hashes.get(request.request_id)
+        if kept is not None and kept[0] is bh and kept[1] == nblocks and len(kept[2]) == nchunks:
+            return kept[2]
+        # A chunk's key is the chained hash of its last block: every bpc-th hash, a slice.
+        bpc = self.ctx.blocks_per_chunk
+        hashes = bh[bpc - 1 : nblocks : bpc]
+        if len(hashes) < nchunks:
+            hashes.append(bh[nblocks - 1])  # the partial tail chunk
+        if type(hashes[0]) is not bytes:  # older vLLM block hashes: hex strings per chunk
+            hashes = [block_hash_hex(h) for h in hashes]
+        if len(self._chunk_hashes) >= 4096:  # a bound: the lists of requests vLLM dropped unseen
+            self._chunk_hashes.clear()
+        self._chunk_hashes[request.request_id] = (bh, nblocks, hashes)
+        return hashes
+
     def _tracker(self, request: Request) -> _Tracker:
         tr = self._trackers.get(request.request_id)
         if tr is None or tr.request is not request:
@@ -268,6 +288,7 @@ class AscendStoreScheduler:
         if self.ctx.hybrid:
             tr.group_ids = [list(ids) for ids in blocks.get_block_ids()]
         matched = self._matched.pop(request.request_id, None)
+        self._chunk_hashes.pop(request.request_id, None)  # scheduled: no more lookups unless preempted
         if num_external_tokens <= 0 or matched is None:
             self._unpin([request.request_id])  # nothing will be loaded
             return
@@ -611,6 +632,7 @@ class AscendStoreScheduler:
         self._matched.pop(request.request_id, None)
         self._lookup_local.pop(request.request_id, None)
         self._bad_from.pop(request.request_id, None)
+        self._chunk_hashes.pop(request.request_id, None)
         self._inflight_loads.pop(request.request_id, None)
         self._unpin([request.request_id])  # finished or aborted (before or after loading)
         if tr is None or not tr.saves_planned:
@@ -637,6 +659,7 @@ class AscendStoreScheduler:
         # The pool is shared with other instances; only our scheduler state is
         # dropped. Delete pool content with the ascendstore CLI (by tenant).
         self._matched.clear()
+        self._chunk_hashes.clear()
         return True
 
     def shutdown(self) -> None:
