@@ -112,10 +112,19 @@ class PoolLookup:
             pins.took(req_id, tenant, counted, (tenant, start, counted[0], counted[-1], hits - start))
         return hits
 
+    def _tenant_prefixes(self, tenant: str) -> list[str]:
+        """Every object's key of a chunk is one of these + the chunk hash (kept per tenant)."""
+        prefixes = self._prefixes.get(tenant)
+        if prefixes is None:
+            if len(self._prefixes) >= 4096:  # tenants come and go: a bound, not an LRU
+                self._prefixes.clear()
+            prefixes = self._prefixes[tenant] = self.keys.lookup_keys(tenant, "")
+        return prefixes
+
     def _unpin_chunks(self, tenant: str, chunk_hashes: Sequence) -> None:
         assert self._unpin_run is not None
         try:
-            status = self._unpin_run(self.keys.lookup_keys(tenant, ""), chunk_hashes, self.timeout_s)
+            status = self._unpin_run(self._tenant_prefixes(tenant), chunk_hashes, self.timeout_s)
         except Exception:
             log.exception("backend unpin of %d chunks raised; their pins end with the lease", len(chunk_hashes))
             return
@@ -149,11 +158,7 @@ class PoolLookup:
         return start + first_missing // width
 
     def _scan_hits(self, tenant: str, todo: Sequence[str] | Sequence[bytes], lease_s: float = 0.0) -> int:
-        prefixes = self._prefixes.get(tenant)  # every object's key is prefix + chunk hash
-        if prefixes is None:
-            if len(self._prefixes) >= 4096:  # tenants come and go: a bound, not an LRU
-                self._prefixes.clear()
-            prefixes = self._prefixes[tenant] = self.keys.lookup_keys(tenant, "")
+        prefixes = self._tenant_prefixes(tenant)
         m = self.guard.metrics
         pin = {"lease_s": lease_s} if lease_s > 0 else {}
         try:

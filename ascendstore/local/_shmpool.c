@@ -759,19 +759,8 @@ static void touch(Pool *p, uint32_t i) {
     }
 }
 
-static uint32_t find(Pool *p, const char *key, uint32_t klen, uint64_t hash) {
-    entry_t *E = ENT(p);
-    uint32_t i = BUCKETS(p)[hash & (p->h->n_buckets - 1)];
-    while (i != NONE32) {
-        entry_t *e = &E[i];
-        if (e->hash == hash && e->keylen == klen && memcmp(e->key, key, klen) == 0) return i;
-        i = e->hnext;
-    }
-    return NONE32;
-}
-
-/* find() of the key prefix + suffix, compared in place (a scan builds no key copy) */
-static uint32_t find2(Pool *p, const char *pre, uint32_t pl, const char *suf, uint32_t sl, uint64_t hash) {
+/* The entry of the key pre + suf (compared in place: a scan builds no key copy), or NONE32. */
+static inline uint32_t find2(Pool *p, const char *pre, uint32_t pl, const char *suf, uint32_t sl, uint64_t hash) {
     entry_t *E = ENT(p);
     uint32_t i = BUCKETS(p)[hash & (p->h->n_buckets - 1)];
     while (i != NONE32) {
@@ -782,6 +771,10 @@ static uint32_t find2(Pool *p, const char *pre, uint32_t pl, const char *suf, ui
         i = e->hnext;
     }
     return NONE32;
+}
+
+static uint32_t find(Pool *p, const char *key, uint32_t klen, uint64_t hash) {
+    return find2(p, key, klen, key + klen, 0, hash);
 }
 
 static void hash_insert(Pool *p, uint32_t i) {
@@ -2933,10 +2926,6 @@ static int cmp_seen_desc(const void *a, const void *b) {
     return x < y ? 1 : x > y ? -1 : 0;
 }
 
-/* LRU-touch the entries found, last chunk first: chunk 0 of a prompt ends up the
- * most recently used, so LRU evicts a prefix from its tail and what stays is
- * still a prefix (evicting chunk 0 first would strand every later chunk).
- * Entries replaced since they were seen (another version) are skipped. Lock held. */
 /* 1 if the entries seen (in chunk order, none replaced, all in DRAM) already
  * open the LRU list in that order: what touching them last chunk first would
  * make. A waiting request is looked up every step; when nothing else was touched
@@ -2954,6 +2943,10 @@ static int run_at_lru_head(Pool *p, const seen_t *seen, size_t nseen) {
     return 1;
 }
 
+/* LRU-touch the entries found, last chunk first: chunk 0 of a prompt ends up the
+ * most recently used, so LRU evicts a prefix from its tail and what stays is
+ * still a prefix (evicting chunk 0 first would strand every later chunk).
+ * Entries replaced since they were seen (another version) are skipped. Lock held. */
 static void scan_touch(Pool *p, seen_t *seen, size_t nseen, int sorted) {
     if (sorted && run_at_lru_head(p, seen, nseen)) return;
     if (!sorted) qsort(seen, nseen, sizeof *seen, cmp_seen_desc);
@@ -2971,9 +2964,6 @@ static void prefix_req_free(prefix_req_t *q, char *buf) {
     free(buf);
 }
 
-/* Copy (prefixes, suffixes) into q and a buffer of their bytes (*bufp), so the
- * GIL can be released; the key-hash state after each prefix is computed here. Returns
- * -1 with an exception set on bad input (the caller frees with prefix_req_free). */
 /* The lowercase hex of n raw bytes (2n chars). A scheduler's lookup passes a
  * prompt's raw chunk hashes (32 bytes each): with SSE2 (every x86-64), 16 bytes
  * become 32 digits in a handful of vector ops instead of 32 byte-pair stores. */
@@ -3002,6 +2992,9 @@ static void hex_encode(char *out, const uint8_t *in, size_t n) {
     }
 }
 
+/* Copy (prefixes, suffixes) into q and a buffer of their bytes (*bufp), so the
+ * GIL can be released; the key-hash state after each prefix is computed here. Returns
+ * -1 with an exception set on bad input (the caller frees with prefix_req_free). */
 static int prefix_req_parse(PyObject *prefs, PyObject *sufs, const char *fn, prefix_req_t *q, char **bufp) {
     int rc = -1;
     PyObject *pf = PySequence_Fast(prefs, "prefixes must be a sequence of str");
