@@ -209,7 +209,7 @@ def part_scheduler(args) -> dict:  # type: ignore[no-untyped-def]
 
         cases = {
             "raw": lambda: per_call_us(lambda: backend.exists(flat, 5.0), args.calls),
-            # later lookups of a waiting request: same run, pins held (renewed at half lease)
+            # later lookups of a waiting request: its pinned run held whole, only what follows it probed
             "matched_tokens": lambda: per_call_us(lambda: conn.get_num_new_matched_tokens(req, 0), args.calls),
             "first_lookup": first_lookup,
         }

@@ -320,3 +320,130 @@ def test_requests_holding_overlapping_runs_keep_exactly_their_union_pinned(big_p
         assert lk.pins.held_keys() == len(want)
     lk.pins.release(list(held))
     assert pool.pinned() == 0
+
+
+def _scan_calls(lk: PoolLookup) -> list[tuple[int, float]]:
+    """(chunks asked about, lease) of every native scan the lookup makes."""
+    calls: list[tuple[int, float]] = []
+    scan = lk._scan
+
+    def counting_scan(prefixes, suffixes, timeout_s, gallop=False, lease_s=0.0):
+        calls.append((len(suffixes), lease_s))
+        return scan(prefixes, suffixes, timeout_s, gallop=gallop, lease_s=lease_s)
+
+    lk._scan = counting_scan  # type: ignore[method-assign]
+    return calls
+
+
+def test_a_waiting_requests_unbroken_pinned_run_is_not_probed_again(pool):
+    """vLLM looks a waiting request up every step. While the run it pinned is
+    whole (no pinned object left the pool since: ``pin_breaks``), a later lookup
+    asks only about the chunks after that run: none when the whole prompt was
+    counted, one probe when the next chunk is still missing."""
+    lk, kb = _lookup(pool)
+    calls = _scan_calls(lk)
+    hashes = [bytes([i]) * 32 for i in range(6)]
+    keys = _keys(kb, [h.hex() for h in hashes])
+    assert _put(pool, keys[:4]) == [Status.OK] * 4
+    assert lk.prefix_hits("", hashes, 0, "r") == 4 and calls == [(6, 30.0)]
+    for _ in range(3):  # later steps: two chunks after the run asked about, none pinned
+        assert lk.prefix_hits("", hashes, 0, "r") == 4
+    assert calls[1:] == [(2, 0.0)] * 3
+    assert lk.prefix_hits("", hashes[:4], 0, "r") == 4 and len(calls) == 4, "the whole prompt is held: no scan"
+    assert _put(pool, keys[4:5]) == [Status.OK]  # another engine saved chunk 4: the longer run is pinned
+    assert lk.prefix_hits("", hashes, 0, "r") == 5 and calls[-2:] == [(2, 0.0), (6, 30.0)]
+    assert pool.pinned() == 5
+    assert lk.prefix_hits("", hashes, 0, "r") == 5 and calls[-1] == (1, 0.0)
+    # a request whose prompt differs after chunk 1 (same id): not its held run
+    other = hashes[:2] + [b"\xee" * 32] * 4
+    assert lk.prefix_hits("", other, 0, "r") == 2 and calls[-1][1] == 30.0
+    assert lk.prefix_hits("", hashes, 1, "r") == 5 and calls[-1] == (5, 30.0)  # from another chunk: another run
+    lk.pins.release("r")
+    assert pool.pinned() == 0
+
+
+def test_a_pinned_chunk_removed_makes_the_waiting_lookup_scan_again(pool):
+    """An operator's removal (or a loss) of a pinned chunk is seen at the next
+    lookup: the count drops to what is there, and is pinned anew."""
+    lk, kb = _lookup(pool)
+    calls = _scan_calls(lk)
+    hashes = [f"x{i}" for i in range(5)]
+    keys = _keys(kb, hashes)
+    assert _put(pool, keys) == [Status.OK] * 5
+    b0 = pool.pin_breaks()
+    assert lk.prefix_hits("", hashes, 0, "r") == 5 and pool.pin_breaks() == b0
+    assert _put(pool, keys[:2]) == [Status.OK] * 2  # a newer value of a pinned key keeps the pin
+    _pressure(pool)  # evicting the unpinned breaks nothing
+    assert pool.pin_breaks() == b0
+    assert lk.prefix_hits("", hashes, 0, "r") == 5 and len(calls) == 1, "the held run was scanned again"
+    assert pool.remove([keys[3]], T) == [Status.OK]
+    assert pool.pin_breaks() == b0 + 1
+    assert lk.prefix_hits("", hashes, 0, "r") == 3 and calls[-1] == (5, 30.0)
+    assert pool.pinned() == 3
+    lk.pins.release("r")
+
+
+def test_a_degraded_backend_answers_a_miss_even_to_a_held_run(pool):
+    lk, kb = _lookup(pool)
+    hashes = [f"d{i}" for i in range(3)]
+    assert _put(pool, _keys(kb, hashes)) == [Status.OK] * 3
+    assert lk.prefix_hits("", hashes, 0, "r") == 3
+    lk.guard.monitor = type("Sick", (), {"degraded": True})()  # type: ignore[assignment]
+    assert lk.prefix_hits("", hashes, 0, "r") == 0
+    assert pool.pinned() == 0 and lk.pins.holders() == 0
+
+
+def test_pin_breaks_reads_minus_one_once_closed():
+    name = f"lpin-{uuid.uuid4().hex[:10]}"
+    be = LocalBackend.create(LocalOptions(name=name, capacity=1 * MiB, page_size=16 * KiB), BackendContext())
+    assert be.pin_breaks() == 0
+    be.destroy()
+    assert be.pin_breaks() == -1
+    _shmpool.unlink(name)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_lookup_answers_exactly_the_run_present(big_pool, seed):
+    """Random steps of several waiting requests (repeated lookups, from various
+    chunks), puts by 'other engines', evicting pressure, removals of chunks
+    (pinned or not), keeps, releases and a clock that runs leases out: every
+    lookup answers exactly the run the pool holds at that moment (what a raw
+    exists of its keys says), whether it probed the whole run or only what
+    follows the run it held."""
+    rng = random.Random(100 + seed)
+    pool = big_pool
+    lk, kb = _lookup(pool, lease_s=30.0)
+    now = [0.0]
+    lk.pins._clock = lambda: now[0]
+    prompts = [[f"p{p}-{i}" for i in range(12)] for p in range(3)]
+    shortcut = 0
+    calls = _scan_calls(lk)
+    for _ in range(300):
+        op = rng.random()
+        chain = prompts[rng.randrange(3)]
+        if op < 0.45:
+            rid, start = f"r{rng.randrange(4)}", rng.choice([0, 0, 0, rng.randrange(12)])
+            for _ in range(rng.randint(1, 4)):  # a waiting request: looked up step after step
+                n = len(calls)
+                got = lk.prefix_hits("", chain, start, rid)
+                statuses = pool.exists(_keys(kb, chain[start:]), T)
+                want = start + next((i for i, s in enumerate(statuses) if s is not Status.OK), len(statuses))
+                assert got == want, f"lookup said {got}, the pool holds a run to {want}"
+                shortcut += len(calls) == n or (len(calls) == n + 1 and calls[-1][0] < len(chain) - start)
+                now[0] += 0.5
+        elif op < 0.6:
+            lo = rng.randrange(12)
+            _put(pool, _keys(kb, chain[lo : lo + rng.randint(1, 4)]))
+        elif op < 0.7:
+            _pressure(pool, 24)
+        elif op < 0.8:
+            pool.remove(_keys(kb, [chain[rng.randrange(12)]]), T)
+        elif op < 0.87:
+            lk.pins.keep(f"r{rng.randrange(4)}", rng.randint(0, 3))
+        elif op < 0.95:
+            lk.pins.release(f"r{rng.randrange(4)}")
+        else:
+            now[0] += rng.choice([2.0, 8.0, 16.0])
+    assert shortcut > 10, "the held-run path was hardly taken: the test proves little"
+    lk.pins.release(lk.pins.requests())
+    assert pool.pinned() == 0

@@ -52,6 +52,8 @@ class _Holding:
     scope: Scope = None
     #: a native scan's holding: the chunk position of ``units[0]`` in its prompt
     start: int = 0
+    #: the backend's ``pin_breaks()`` read before the scan that pinned it (-1: none)
+    breaks: int = -1
 
 
 class LookupPins:
@@ -85,6 +87,9 @@ class LookupPins:
         self._clock = clock
         self._lock = threading.RLock()  # held across the backend calls too: one ledger update at a time
         self._held: dict[str, _Holding] = {}
+        #: no holding's lease ends before this (a lower bound: renewals only extend
+        #: leases), so expire() need not walk every holding on each pinning lookup
+        self._next_expiry = float("inf")
         #: holders per key string (a native scan's holdings are not counted, above)
         self._refs: Counter[str] = Counter()
 
@@ -105,6 +110,26 @@ class LookupPins:
         a master round trip on Mooncake) until half the lease is gone."""
         h = self._held.get(req_id)  # a dict read: no lock (a stale answer only costs a renewal)
         return h is not None and h.run == run and h.expires - self._clock() > self.lease_s / 2
+
+    def held_prefix(self, req_id: str, tenant: str, chunk_hashes: Sequence, start: int, breaks: int) -> int | None:
+        """Where the run ``req_id`` holds ends, when that run is still whole and is
+        chunks ``start..end-1`` of ``chunk_hashes`` of ``tenant``; else None.
+
+        Whole: a native scan pinned it, at least half its lease is left, and the
+        backend's ``pin_breaks()`` still reads ``breaks``, what it read before that
+        scan (no pinned object has left since; pins stop eviction). Its last hash
+        is compared (and its first): chained hashes that agree there agree on
+        the whole run."""
+        with self._lock:  # (keep() changes a holding's run and units together)
+            h = self._held.get(req_id)
+            if (h is None or h.run is None or h.scope != tenant or h.breaks < 0 or h.breaks != breaks
+                    or h.expires - self._clock() <= self.lease_s / 2):
+                return None
+            _, s0, first, last, count = h.run
+        end = s0 + count
+        if s0 != start or end > len(chunk_hashes) or chunk_hashes[end - 1] != last or chunk_hashes[start] != first:
+            return None
+        return end
 
     def pinning(self) -> threading.RLock:
         """The ledger's lock, for a caller whose backend call takes pins the
@@ -151,21 +176,23 @@ class LookupPins:
                           extra)
         return chunks
 
-    def took(self, req_id: str, tenant: str, hashes: Sequence, run: tuple) -> None:
+    def took(self, req_id: str, tenant: str, hashes: Sequence, run: tuple, breaks: int = -1) -> None:
         """The native scan pinned ``hashes`` (the chunks it counted, of ``tenant``,
         from chunk ``run[1]``) for ``req_id``: hold them in its place (replacing
-        its earlier holding). Hashes are compared as given: one connector passes
-        one form (raw or hex); a mix would only unpin early. A list is kept as it
-        is (the caller's own copy: a first lookup of a 128k prompt copies 1024
-        hashes once, not twice)."""
+        its earlier holding). ``breaks``: the backend's ``pin_breaks()`` read
+        before that scan (-1: none; see held_prefix). Hashes are compared as
+        given: one connector passes one form (raw or hex); a mix would only unpin
+        early. A list is kept as it is (the caller's own copy: a first lookup of a
+        128k prompt copies 1024 hashes once, not twice)."""
         with self._lock:
             self.expire()
             old = self._held.get(req_id)
             if old is not None and old.scope == tenant and old.run == run:
                 old.expires = self._clock() + self.lease_s  # the same run, pinned again
+                old.breaks = breaks
                 return
             units = hashes if type(hashes) is list else list(hashes)
-            self._replace(req_id, _Holding(units, 1, self._clock() + self.lease_s, run, tenant, run[1]))
+            self._replace(req_id, _Holding(units, 1, self._clock() + self.lease_s, run, tenant, run[1], breaks))
 
     def _replace(self, req_id: str, new: _Holding | None, extra: Sequence = ()) -> None:
         # Hold the new before letting go of the old: what both have stays pinned.
@@ -174,6 +201,7 @@ class LookupPins:
             if new.scope is None:
                 self._refs.update(new.units)
             self._held[req_id] = new
+            self._next_expiry = min(self._next_expiry, new.expires)
         drop: dict[Scope, list] = {}
         if old is not None:
             self._let_go(old, drop)
@@ -210,8 +238,11 @@ class LookupPins:
     def expire(self) -> None:
         """Forget holdings whose lease ran out (the backend dropped those pins by itself)."""
         now = self._clock()
+        if now < self._next_expiry:
+            return
         with self._lock:
             stale = [r for r, h in self._held.items() if h.expires <= now]
+            self._next_expiry = min((h.expires for h in self._held.values() if h.expires > now), default=float("inf"))
             gone = [self._held.pop(r) for r in stale]
             drop: dict[Scope, list] = {}
             for h in gone:

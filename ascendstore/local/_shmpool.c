@@ -55,7 +55,7 @@
 /* ------------------------------------------------------------------ constants */
 
 #define POOL_MAGIC 0x31305453414c5341ULL /* "ASLAST01" */
-#define POOL_LAYOUT 9u
+#define POOL_LAYOUT 10u
 #define NONE32 0xffffffffu
 #define MAX_KEY 256
 #define MAX_PROCS 512
@@ -135,6 +135,11 @@ typedef struct {
     uint64_t disk_first_seg, disk_cur_seg, disk_cur_off, disk_file_bytes, disk_live_bytes;
     uint64_t seg_len[MAX_SEGS];
     uint64_t ev_next; /* sequence number of the next removal record */
+    /* Pinned objects that left the pool other than by a newer value of their key
+     * (removed, or lost in a rebuild after a crash). Pins stop eviction: a run a
+     * lookup pinned while this read N is whole for as long as it still reads N
+     * (within the lease). Written under the lock, read without it (pin_breaks). */
+    uint64_t pin_breaks;
     /* counters */
     uint64_t c_hits, c_misses, c_puts, c_evictions, c_spills, c_disk_hits, c_promotions, c_disk_drops,
         c_corrupt, c_no_space, c_lock_recoveries, c_dead_reclaimed, c_retries, c_pinned_skips, c_pins,
@@ -854,6 +859,8 @@ static void event_record(Pool *p, uint32_t i, int tier, int reason, int moved_to
 static void entry_remove(Pool *p, uint32_t i, int reason) {
     hdr_t *h = p->h;
     entry_t *e = &ENT(p)[i];
+    if (reason != R_NONE && e->pin_until && entry_pinned(p, e, now_ns()))
+        __atomic_add_fetch(&h->pin_breaks, 1, __ATOMIC_RELEASE);
     event_record(p, i, entry_tier(e), reason, TIER_NONE);
     hash_unlink(p, i);
     if (e->on_disk) disk_unlink(p, i); /* a LIVE entry's clean copy goes with it */
@@ -1273,6 +1280,7 @@ static void rebuild(Pool *p) {
              * duplicate's key is still there, under its other entry) */
             if (hashed && !dup && e->keylen > 0 && e->keylen <= MAX_KEY)
                 event_record(p, i, entry_tier(e), R_LOST, TIER_NONE);
+            if (hashed && !dup) __atomic_add_fetch(&h->pin_breaks, 1, __ATOMIC_RELEASE); /* pinned or not */
             memset(e, 0, offsetof(entry_t, key));
             e->state = E_FREE;
             e->prev = e->next = e->dprev = e->dnext = e->first_page = NONE32;
@@ -2732,6 +2740,18 @@ static PyObject *Pool_pin(Pool *p, PyObject *args) {
     return run_batch_arg(p, keys, NULL, t, op_pin, 0, 0, (uint64_t)(lease * 1e9));
 }
 
+/* pin_breaks() -> int: the pool's count of pinned objects that left it other
+ * than by a newer value (see hdr_t), read without the lock; -1 once the pool is
+ * closed or destroyed. A lookup that holds a run pinned when this read N need not
+ * probe that run again while it reads N. */
+static PyObject *Pool_pin_breaks(Pool *p, PyObject *unused) {
+    (void)unused;
+    if (enter(p) < 0) return PyLong_FromLong(-1);
+    long long n = atomic_load(&p->h->destroyed) ? -1 : (long long)__atomic_load_n(&p->h->pin_breaks, __ATOMIC_ACQUIRE);
+    leave(p);
+    return PyLong_FromLongLong(n);
+}
+
 /* (status, objects pinned now by a live process): tests and doctor check that
  * lookups leave no pins behind. A scan of the key table under the lock. */
 static PyObject *Pool_pinned(Pool *p, PyObject *args) {
@@ -3700,6 +3720,8 @@ static PyMethodDef Pool_methods[] = {
     {"exists", (PyCFunction)Pool_exists, METH_VARARGS, "exists(keys, timeout_s) -> [Status]"},
     {"put", (PyCFunction)Pool_put, METH_VARARGS, "put(keys, regions, timeout_s) -> [Status]"},
     {"pin", (PyCFunction)Pool_pin, METH_VARARGS, "pin(keys, lease_s, timeout_s) -> [Status]: exists + pin"},
+    {"pin_breaks", (PyCFunction)Pool_pin_breaks, METH_NOARGS,
+     "pin_breaks() -> int: pinned objects that left the pool other than by a newer value (-1: closed)"},
     {"unpin", (PyCFunction)Pool_unpin, METH_VARARGS, "unpin(keys, timeout_s) -> [Status]"},
     {"pinned", (PyCFunction)Pool_pinned, METH_VARARGS, "pinned(timeout_s) -> (Status, objects pinned now)"},
     {"get", (PyCFunction)Pool_get, METH_VARARGS, "get(keys, regions, timeout_s) -> [Status]"},

@@ -207,6 +207,13 @@ class LocalBackend(Backend):
     def unpin(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
         return self._pool.unpin(keys, timeout_s)
 
+    def pin_breaks(self) -> int:
+        """How many pinned objects have left the pool other than by a newer value
+        of their key (removed, or lost in a rebuild after a crash); -1 once closed.
+        Pins stop eviction only, so a run a lookup pinned while this read N is
+        still whole, within its lease, while it reads N (PoolLookup)."""
+        return self._pool.pin_breaks()
+
     def pinned(self, timeout_s: float | None = None) -> int:
         """Objects pinned now by a live process (-1 when the pool does not answer):
         lookups must leave none behind once their loads ended."""
