@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ascendstore.contract import BackendContext
 from ascendstore.errors import ConfigError
 from ascendstore.gr import GRStats, UserStore
+from ascendstore.gr.inputs import KNOWN_KEYS
 from ascendstore.registry import create_backend
 from ascendstore_vllm.context import ConnectorContext
 from ascendstore_vllm.gr.hooks import GRPlan, GRSchedulerHooks, GRWorkerHooks
@@ -31,8 +32,6 @@ log = logging.getLogger(__name__)
 
 def carries_gr_fields(request: Any) -> bool:
     """Whether a vLLM request carries GR fields (uid, user_history_len, candidate_num)."""
-    from ascendstore.gr.inputs import KNOWN_KEYS
-
     sp = getattr(request, "sampling_params", None)
     for src in (getattr(request, "kv_transfer_params", None), getattr(sp, "extra_args", None)):
         if isinstance(src, dict) and any(k in src for k in KNOWN_KEYS):
