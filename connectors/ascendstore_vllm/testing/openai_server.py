@@ -202,14 +202,13 @@ class VllmServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        pools = local_pools(self.kv_transfer_config)
-        self.pools_left = [o.name for o in pools if pool_in_shm(o.name)]
-        for o in pools:
-            if o.name in self.pools_left:
-                try:
-                    release_local_pool(o)
-                except Exception as exc:  # a teardown: say so, do not mask the test's outcome
-                    print(f"could not release local pool {o.name!r}: {exc}", file=sys.stderr)
+        left = [o for o in local_pools(self.kv_transfer_config) if pool_in_shm(o.name)]
+        self.pools_left = [o.name for o in left]
+        for o in left:
+            try:
+                release_local_pool(o)
+            except Exception as exc:  # a teardown: say so, do not mask the test's outcome
+                print(f"could not release local pool {o.name!r}: {exc}", file=sys.stderr)
 
     def __enter__(self) -> VllmServer:
         return self.start()
