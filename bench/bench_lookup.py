@@ -12,10 +12,14 @@ median of ``--calls`` calls, ratios per round:
    (raw hashes, as the scheduler passes them), ``exists`` (the generic path:
    key strings + one batched exists + first miss in Python). This part runs in
    ``--procs`` fresh processes one after the other (so does part 2) and each
-   figure is the median over processes: within a process a ratio holds to ~1%,
-   but a process's pool and objects land where the host's caches serve them
-   well or badly (the same call 30-60% slower, memory-bound calls most; see
-   docs/benchmarking.md), more than two single-process runs may differ by.
+   figure is the median over processes. Every round is also probed for the
+   host's level (a pure-Python loop timed before and after it): on a shared VM
+   the core alternates, within tens of milliseconds, between a fast level and
+   one where Python runs 1.6-1.9x slower and the raw exists ~1.3x, so a ratio
+   over all rounds moves with the share of slow rounds. Each ratio is also
+   reported per level (``ratio_by_level``: rounds of either level pooled over
+   the processes, mixed rounds left out), and ``harness.py agree`` compares
+   those (see docs/benchmarking.md).
 2. The connector's whole ``get_num_new_matched_tokens`` for a real vLLM
    ``Request`` of 128k tokens (16-token blocks, 128-token chunks: the hash chain
    of 8192 blocks), through vLLM's scheduler-side connector, against the raw
@@ -43,7 +47,20 @@ import uuid
 from collections.abc import Callable
 
 import numpy as np
-from harness import Stat, across_processes, clock_ns, env_info, interleave, per_call_us, ratios, stat
+from harness import (
+    LEVEL_CUT,
+    LEVEL_HI,
+    LEVEL_LO,
+    Stat,
+    across_processes,
+    clock_ns,
+    env_info,
+    interleave,
+    per_call_us,
+    ratios,
+    split_by_level,
+    stat,
+)
 from rich.console import Console
 from rich.table import Table
 
@@ -68,6 +85,15 @@ def _fmt(s: dict | Stat, digits: int = 0) -> str:
     if isinstance(s, dict):
         s = Stat(s["median"], s["min"], s["max"], s["n"])
     return s.fmt(digits)
+
+
+def _rounds(lv: dict) -> str:
+    n = lv["rounds"]
+    return f"{n['fast']}/{n['slow']}/{n['mixed']}"
+
+
+def _level_fmt(lv: dict, level: str, figure: str) -> str:
+    return _fmt(lv[level][figure], 2) if level in lv else "-"
 
 
 def _put_all(backend, keys: list[str], region) -> None:  # type: ignore[no-untyped-def]
@@ -108,7 +134,7 @@ def part_prompts(args, backend, guard, keys: KeyBuilder, region) -> list[dict]: 
                 "scan/bytes": lambda t=t, q=hs: per_call_us(lambda: scan.prefix_hits(t, q), args.calls),
                 "exists": lambda t=t, q=hexes: per_call_us(lambda: generic.prefix_hits(t, q), args.calls),
             }
-            s = interleave(cases, args.rounds)
+            s = interleave(cases, args.rounds, level=True)
             rows.append(
                 {
                     "tokens": tokens,
@@ -117,10 +143,23 @@ def part_prompts(args, backend, guard, keys: KeyBuilder, region) -> list[dict]: 
                     "scenario": scenario,
                     "us": {k: stat(v).as_dict() for k, v in s.items()},
                     "ratio": {k: ratios(s[k], s["raw"]).as_dict() for k in ("scan", "scan/bytes", "exists")},
+                    "per_round": _per_round(s, {k: (k, "raw") for k in ("scan", "scan/bytes", "exists")}),
                 }
             )
     backend.remove_prefix(f"as1@{tenant}@", 10.0)
     return rows
+
+
+def _per_round(s: dict[str, list[float]], figures: dict[str, tuple[str, str]]) -> dict[str, list[float]]:
+    """Each round's ratios (figure: (numerator case, baseline case)) and host-level probes."""
+    out = {f: [a / b for a, b in zip(s[num], s[den], strict=True)] for f, (num, den) in figures.items()}
+    return {**out, LEVEL_LO: s[LEVEL_LO], LEVEL_HI: s[LEVEL_HI]}
+
+
+def _by_level(results: list[dict]) -> dict:
+    """The per-round ratios of one row from every process, split by host level."""
+    figures = [k for k in results[0]["per_round"] if k not in (LEVEL_LO, LEVEL_HI)]
+    return split_by_level([r["per_round"] for r in results], figures)
 
 
 def _across(runs: list[dict], fixed: tuple[str, ...]) -> dict:
@@ -152,11 +191,15 @@ def _in_processes(args) -> tuple[list[dict], dict | None]:
         if out.returncode:
             raise SystemExit(f"bench_lookup child failed ({out.returncode}):\n{out.stderr}")
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    rows = [_across([r["rows"][i] for r in runs], ("tokens", "chunks", "keys", "scenario"))
-            for i in range(len(runs[0]["rows"]))]
+    rows = []
+    for i in range(len(runs[0]["rows"])):
+        row = _across([r["rows"][i] for r in runs], ("tokens", "chunks", "keys", "scenario"))
+        row["ratio_by_level"] = _by_level([r["rows"][i] for r in runs])
+        rows.append(row)
     sched = None
     if runs[0]["scheduler"] is not None:
         sched = _across([r["scheduler"] for r in runs], ("tokens", "blocks", "keys", "pins"))
+        sched["ratio_by_level"] = _by_level([r["scheduler"] for r in runs])
     return rows, sched
 
 
@@ -213,7 +256,7 @@ def part_scheduler(args) -> dict:  # type: ignore[no-untyped-def]
             "matched_tokens": lambda: per_call_us(lambda: conn.get_num_new_matched_tokens(req, 0), args.calls),
             "first_lookup": first_lookup,
         }
-        s = interleave(cases, args.rounds)
+        s = interleave(cases, args.rounds, level=True)
         if pins is not None:
             pins.release(req.request_id)
         return {
@@ -224,6 +267,7 @@ def part_scheduler(args) -> dict:  # type: ignore[no-untyped-def]
             "us": {k: stat(v).as_dict() for k, v in s.items()},
             "ratio": ratios(s["matched_tokens"], s["raw"]).as_dict(),
             "ratio_first": ratios(s["first_lookup"], s["raw"]).as_dict(),
+            "per_round": _per_round(s, {"ratio": ("matched_tokens", "raw"), "ratio_first": ("first_lookup", "raw")}),
         }
     finally:
         eng.close()
@@ -337,6 +381,10 @@ def main() -> None:
     if args.child:
         print(json.dumps({"rows": rows, "scheduler": sched}))
         return
+    for r in [*rows, *([sched] if sched else [])]:
+        if "per_round" in r:  # one process: its own rounds, split by level as the processes' are
+            r["ratio_by_level"] = _by_level([r])
+            del r["per_round"]
     out = {"rows": rows, "scheduler": sched, "holes": holes, "env_before": env0, "env_after": env_info(),
            "rounds": args.rounds, "calls": args.calls}
 
@@ -354,6 +402,16 @@ def main() -> None:
                       _fmt(r["ratio"]["scan"], 2), _fmt(r["ratio"]["scan/bytes"], 2), _fmt(r["us"]["exists"]),
                       _fmt(r["ratio"]["exists"], 2))
     con.print(table)
+    levels = Table(title="the same ratios per host level (rounds probed by a pure-Python loop before and after: "
+                   f"fast within {LEVEL_CUT}x of the run's fast level, slow beyond it; rounds fast/slow/mixed)")
+    for col in ("tokens", "scenario", "rounds f/s/m", "scan ÷ raw fast", "slow", "scan/bytes ÷ raw fast", "slow",
+                "exists path ÷ raw fast", "slow"):
+        levels.add_column(col, justify="right")
+    for r in rows:
+        lv = r["ratio_by_level"]
+        levels.add_row(f"{r['tokens']:,}", r["scenario"], _rounds(lv),
+                       *(_level_fmt(lv, level, k) for k in ("scan", "scan/bytes", "exists") for level in ("fast", "slow")))
+    con.print(levels)
     if sched:
         con.print(
             f"get_num_new_matched_tokens, {sched['tokens']:,}-token vLLM Request ({sched['blocks']} block hashes, "
@@ -362,6 +420,10 @@ def main() -> None:
             f"ratio {_fmt(sched['ratio'], 2)} (goal <= 1.2); its first lookup (scan + pin) "
             f"{_fmt(sched['us']['first_lookup'])} us, ratio {_fmt(sched['ratio_first'], 2)}"
         )
+        lv = sched["ratio_by_level"]
+        con.print(f"  per host level (rounds f/s/m {_rounds(lv)}): a waiting request's lookup ÷ raw fast "
+                  f"{_level_fmt(lv, 'fast', 'ratio')}, slow {_level_fmt(lv, 'slow', 'ratio')}; its first lookup ÷ raw "
+                  f"fast {_level_fmt(lv, 'fast', 'ratio_first')}, slow {_level_fmt(lv, 'slow', 'ratio_first')}")
     if holes:
         t = Table(title="linear scan vs galloping search, prompt stored then a fraction of chunks removed at random")
         for col in ("hole rate", "trials", "true run (chunks)", "linear probes", "gallop probes", "linear us",
