@@ -170,7 +170,7 @@ def split_by_level(runs: Iterable[Mapping[str, list[float]]], figures: Iterable[
     """Per-round samples of ``figures`` (e.g. per-round ratios) from one or more
     ``interleave(..., level=True)`` runs (each a mapping with ``LEVEL_LO``/``LEVEL_HI``),
     pooled and summarised per host level: ``{"fast": {figure: stat}, "slow": {...},
-    "rounds": {"fast": n, "slow": n, "mixed": n}, "fastest_us": ..., "cut": cut}``
+    "rounds": {"fast": n, "slow": n, "mixed": n}, "fast_level_us": ..., "cut": cut}``
     (a level without rounds is left out). The fast level is the median of the rounds'
     lower probes within ``cut`` of the fastest (one lucky probe does not set the bar),
     taken over all the runs together, so a run that spent every round slow is not
@@ -232,8 +232,8 @@ def _medians(obj: object, path: str = "", mixed: bool = False) -> dict[str, tupl
 def agree(a: object, b: object, tol: float = 0.10) -> list[tuple[str, float, float, float, str]]:
     """(path, median A, median B, relative difference, note) of every ratio in both
     runs. Note "" for a compared figure; "mix" or "few" (see ``_medians``) for one
-    shown but not held to ``tol``: where a script reports ratios per host level, those
-    are what must agree."""
+    to show but not to hold to the bound: where a script reports ratios per host
+    level, those are what must agree."""
     ma, mb = _medians(a), _medians(b)
     rows = []
     for path in sorted(set(ma) & set(mb)):
