@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +68,20 @@ class Master:
                     return
             time.sleep(0.02)
         raise RuntimeError("mooncake_master did not open its port within 10 s")
+
+    def capacity_bytes(self) -> int:
+        """Bytes of the segments mounted on this master now (its metrics endpoint, loopback).
+
+        A restarted master knows no segment until each client re-mounts its own, which a
+        Mooncake client does on its next heartbeat after it reconnects (1 s apart), so
+        until then every put fails for want of space.
+        """
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith("master_total_capacity_bytes "):
+                    return int(float(line.split()[1]))
+        raise RuntimeError(f"{url} reports no master_total_capacity_bytes")
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

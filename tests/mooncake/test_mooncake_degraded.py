@@ -86,9 +86,16 @@ def test_killed_master_degrades_every_process_then_resumes(master_factory, monke
         assert t_degraded is not None, {k: x.snapshot() for k, x in mons.items()}
         waves.append(_wave(eng, ps, "down"))
         m.start()
+        restarted = time.monotonic()
         t_resumed = _wait(lambda: not any(x.degraded for x in mons.values()), 90)
         assert t_resumed is not None, {k: x.snapshot() for k, x in mons.items()}
-        for i in range(4):  # the restarted master lost every key: refill, then hit
+        # The restarted master lost every key and every segment: the worker's client
+        # re-mounts its segment on a heartbeat after it reconnects, which may come after
+        # the monitors resumed (CI once ran four waves, every put short of space, before
+        # it did). Until then saves fail for want of space, which is no fault of ours.
+        assert _wait(lambda: m.capacity_bytes() > 0, 30) is not None, "no segment re-mounted within 30 s"
+        t_remounted = round(time.monotonic() - restarted, 2)
+        for i in range(3):  # refill, then hit
             waves.append(_wave(eng, ps, f"after{i}"))
             if waves[-1]["hit_rate"] > 0.8:
                 break
@@ -96,8 +103,8 @@ def test_killed_master_degrades_every_process_then_resumes(master_factory, monke
         eng.close()
     snaps = {k: x.snapshot() for k, x in mons.items()}
     report("mooncake_degraded_mode", degraded_after_kill_s=t_degraded, resumed_after_restart_s=t_resumed,
-           waves=waves, transitions={k: (s.degraded_count, s.recovered_count, s.last_failure)
-                                     for k, s in snaps.items()})
+           remounted_after_restart_s=t_remounted, waves=waves,
+           transitions={k: (s.degraded_count, s.recovered_count, s.last_failure) for k, s in snaps.items()})
     by = {w["wave"]: w for w in waves}
     assert all(w["exact"] == w["requests"] for w in waves), "KV differs from the model's"
     assert by["warm"]["hit_rate"] > 0.8
