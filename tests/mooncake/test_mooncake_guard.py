@@ -205,11 +205,7 @@ def test_inline_calls_and_close() -> None:
     assert results == [(Outcome.DONE, "written")] and g.inflight == 0
 
 
-def test_inline_and_worker_calls_from_many_threads() -> None:
-    # Save threads' inline puts beside other threads' bounded calls (some past their
-    # deadline), random delays and pauses: every result reaches its own caller, an
-    # inline call never times out, nothing is left in flight.
-    g = NativeGuard(4, inline_cooldown_s=0.01)
+def _many_threads_round(g: NativeGuard, seeds: range) -> list[str]:
     errors: list[str] = []
 
     def caller(seed: int, inline: bool) -> None:
@@ -222,17 +218,32 @@ def test_inline_and_worker_calls_from_many_threads() -> None:
                 errors.append(f"{seed}/{i}: got {r}")
             if inline and outcome is not Outcome.DONE:
                 errors.append(f"{seed}/{i}: inline call {outcome}")  # 1 s deadline on either path
-            if not inline:
-                time.sleep(rng.uniform(0, 0.006))  # idle windows, when inline calls may run inline
+            # idle windows, when inline calls may run inline (a save thread puts once a step)
+            time.sleep(rng.uniform(0, 0.002 if inline else 0.006))
 
-    threads = [threading.Thread(target=caller, args=(s, s % 2 == 0)) for s in range(6)]
+    threads = [threading.Thread(target=caller, args=(s, s % 2 == 0)) for s in seeds]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
-    assert not errors, errors[:5]
-    assert g.close(5.0) and g.inflight == 0
-    assert g.inline_calls > 0 and g.timeouts > 0  # both paths were exercised
+    return errors
+
+
+def test_inline_and_worker_calls_from_many_threads() -> None:
+    # Save threads' inline puts beside other threads' bounded calls (some past their
+    # deadline), random delays and pauses: every result reaches its own caller, an
+    # inline call never times out, nothing is left in flight. A call runs inline only
+    # while no call is on a worker, so whether a round ever finds such a moment is
+    # chance (one round in a suite run on 2026-12-02 never did): rounds repeat, each
+    # checked whole, until both paths have run in one.
+    for attempt in range(5):
+        g = NativeGuard(4, inline_cooldown_s=0.01)
+        errors = _many_threads_round(g, range(6 * attempt, 6 * attempt + 6))
+        assert not errors, errors[:5]
+        assert g.close(5.0) and g.inflight == 0
+        if g.inline_calls > 0 and g.timeouts > 0:
+            break
+    assert g.inline_calls > 0 and g.timeouts > 0, (attempt, g.inline_calls, g.timeouts)  # both paths ran
 
 
 @pytest.mark.parametrize(
