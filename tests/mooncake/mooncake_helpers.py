@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from ascendstore.contract import Region
 
@@ -78,9 +79,11 @@ class Master:
         """
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as resp:
-            for line in resp.read().decode().splitlines():
-                if line.startswith("master_total_capacity_bytes "):
-                    return int(float(line.split()[1]))
+            text = resp.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "master_total_capacity_bytes":
+                    return int(sample.value)
         raise RuntimeError(f"{url} reports no master_total_capacity_bytes")
 
     def kill(self) -> None:
