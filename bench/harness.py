@@ -3,9 +3,11 @@
 The machine these run on is shared and noisy, so every benchmark follows the
 same rules, kept here once:
 
-- **interleaved rounds**: each round runs every configuration once, in an order
-  rotated from round to round, so a slow minute hits all of them alike and no
-  configuration always runs first (cold) or last;
+- **interleaved rounds**: each round runs every configuration once, so a slow
+  minute hits all of them alike; the rounds' orders form a Williams square
+  (``round_orders``): each configuration runs first equally often, and follows
+  each other one equally often, so none always inherits the caches another
+  leaves (rotating one order kept every configuration behind the same one);
 - **warm-up outside the timing**: ``warmup`` whole rounds run first and are
   dropped;
 - **ratios per round**: a ratio against a baseline is taken between samples of
@@ -106,22 +108,52 @@ def per_call_us(fn: Callable[[], object], calls: int) -> float:
     return statistics.median(out)
 
 
+def round_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` configurations for successive rounds (a Williams square):
+    over the orders each configuration takes each position equally often and
+    directly follows each other configuration equally often (n orders for even
+    n, 2n for odd). The first order starts with the first two as given.
+
+    Why not rotate one order: a rotation keeps the cyclic order, so each
+    configuration always runs right after the same one and inherits the caches
+    it leaves. Seen in bench_connector: the raw get always followed the
+    connector's put and the connector's get the raw get, and on a host whose
+    L3 held the step (32 MiB) the connector's get read 1.38-1.42x the raw
+    one's, a carry-over and not the code."""
+    if n <= 2:
+        return [list(range(n)), list(range(n))[::-1]] if n == 2 else [list(range(n))]
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(x + i) % n for x in first] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return rows
+
+
 def interleave(cases: Mapping[str, Callable[[], float]], rounds: int, warmup: int = 1,
                level: bool = False) -> dict[str, list[float]]:
-    """Run every case once per round (order rotated each round); ``warmup``
-    rounds first, dropped. Each case returns its own sample (a rate, a time).
+    """Run every case once per round; ``warmup`` rounds first, in the order
+    given, dropped; then ``rounds`` in the orders of ``round_orders`` (from its
+    first, which starts with the first two cases as given). Each case returns
+    its own sample (a rate, a time).
 
     ``level``: also probe the host's level (``host_level_us``) just before and
     just after each round, kept per round as ``LEVEL_LO`` and ``LEVEL_HI`` (the
     lower and higher of the two probes) for ``split_by_level``."""
     names = list(cases)
+    orders = round_orders(len(names))
     out: dict[str, list[float]] = {n: [] for n in names}
     if level:
         out[LEVEL_LO], out[LEVEL_HI] = [], []
     for r in range(warmup + rounds):
-        k = r % len(names)
         before = host_level_us() if level else 0.0
-        for name in names[k:] + names[:k]:
+        for i in orders[(r - warmup) % len(orders)] if r >= warmup else range(len(names)):
+            name = names[i]
             sample = cases[name]()
             if r >= warmup:
                 out[name].append(sample)

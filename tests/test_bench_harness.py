@@ -15,13 +15,37 @@ sys.path.insert(0, str(ROOT / "bench"))
 import harness  # noqa: E402
 
 
-def test_interleave_rotates_order_and_drops_warmup():
+def test_interleave_drops_warmup_and_runs_the_williams_orders():
     calls: list[str] = []
     cases = {n: (lambda n=n: calls.append(n) or float(len(calls))) for n in "abc"}
-    out = harness.interleave(cases, rounds=3, warmup=1)
-    assert calls == list("abc" "bca" "cab" "abc")  # round r starts at case r % 3
-    assert {k: len(v) for k, v in out.items()} == {"a": 3, "b": 3, "c": 3}
-    assert out["a"] == [6.0, 8.0, 10.0]  # the warm-up round's samples (1, 2, 3) are dropped
+    out = harness.interleave(cases, rounds=6, warmup=1)
+    # the warm-up round in the order given, then round_orders(3)'s six orders
+    assert calls == list("abc" "abc" "bca" "cab" "cba" "acb" "bac")
+    assert {k: len(v) for k, v in out.items()} == {"a": 6, "b": 6, "c": 6}
+    assert out["a"][:3] == [4.0, 9.0, 11.0]  # the warm-up round's samples (1, 2, 3) are dropped
+
+
+@pytest.mark.parametrize("n", range(1, 10))
+def test_round_orders_balance_positions_and_predecessors(n):
+    from collections import Counter
+
+    orders = harness.round_orders(n)
+    assert len(orders) == (n if n % 2 == 0 or n == 1 else 2 * n)
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    assert orders[0][:2] == list(range(min(n, 2)))
+    positions = Counter((x, i) for o in orders for i, x in enumerate(o))
+    assert len(positions) == n * n and len(set(positions.values())) == 1  # every case in every place alike
+    follows = Counter((a, b) for o in orders for a, b in zip(o, o[1:]))
+    # every case directly after every other alike: none always inherits one case's caches
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) <= 1
+
+
+def test_interleave_no_case_always_follows_the_same_one():
+    calls: list[str] = []
+    cases = {n: (lambda n=n: calls.append(n) or 1.0) for n in "abcd"}
+    harness.interleave(cases, rounds=4, warmup=0)
+    before = {c: {calls[i - 1] for i in range(1, len(calls)) if calls[i] == c and i % 4} for c in "abcd"}
+    assert all(len(v) == 3 for v in before.values()), before  # a rotation gave each case one predecessor
 
 
 def test_stat_and_per_round_ratios():
