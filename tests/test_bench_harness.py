@@ -28,6 +28,7 @@ def test_interleave_drops_warmup_and_runs_the_williams_orders():
 @pytest.mark.parametrize("n", range(1, 10))
 def test_round_orders_balance_positions_and_predecessors(n):
     from collections import Counter
+    from itertools import pairwise
 
     orders = harness.round_orders(n)
     assert len(orders) == (n if n % 2 == 0 or n == 1 else 2 * n)
@@ -35,7 +36,7 @@ def test_round_orders_balance_positions_and_predecessors(n):
     assert orders[0][:2] == list(range(min(n, 2)))
     positions = Counter((x, i) for o in orders for i, x in enumerate(o))
     assert len(positions) == n * n and len(set(positions.values())) == 1  # every case in every place alike
-    follows = Counter((a, b) for o in orders for a, b in zip(o, o[1:]))
+    follows = Counter(pair for o in orders for pair in pairwise(o))
     # every case directly after every other alike: none always inherits one case's caches
     assert len(follows) == n * (n - 1) and len(set(follows.values())) <= 1
 
