@@ -128,9 +128,12 @@ def require_servable_kv(vllm_config: Any) -> None:
     """Fail at start-up for a model whose KV the connector cannot serve correctly here.
 
     MLA on vLLM's CPU backend: vLLM turns prefix caching and chunked prefill off
-    there ("MLA is enabled on a non-GPU platform") because its CPU MLA kernels
-    cannot attend over a prefix computed earlier; KV loaded from a pool would be
-    attended to wrongly (measured: greedy tokens change after a pooled load)."""
+    for its reference CPU_MLA backend ("MLA is enabled on a non-GPU platform")
+    because its kernels cannot attend over a prefix computed earlier; KV loaded
+    from a pool would be attended to wrongly (measured: greedy tokens change
+    after a pooled load). On CPUs with AMX vLLM 0.32 picks AMX_MLA instead, which
+    keeps prefix caching on; pooled KV through it is not verified (it needs bf16
+    weights), so it is refused too rather than risk wrong tokens."""
     mc = getattr(vllm_config, "model_config", None)
     if not bool(getattr(mc, "use_mla", False)):
         return
@@ -145,8 +148,9 @@ def require_servable_kv(vllm_config: Any) -> None:
 
         raise ConfigError(
             f"model {getattr(mc, 'model', '?')!r} uses MLA, and vLLM's CPU backend cannot compute attention over a "
-            "prefix loaded from elsewhere (vLLM disables prefix caching and chunked prefill for MLA on CPU): "
-            "pooled KV would produce wrong tokens. AscendStoreConnector serves MLA on GPU and NPU platforms; "
+            "prefix loaded from elsewhere (vLLM disables prefix caching and chunked prefill for its CPU_MLA "
+            "backend; its AMX_MLA backend, picked on CPUs with AMX, is not verified with pooled KV): "
+            "pooled KV could produce wrong tokens. AscendStoreConnector serves MLA on GPU and NPU platforms; "
             "on CPU, run without the connector or use a non-MLA model.")
 
 
