@@ -120,8 +120,8 @@ def round_orders(n: int) -> list[list[int]]:
     connector's put and the connector's get the raw get, and on a host whose
     L3 held the step (32 MiB) the connector's get read 1.38-1.42x the raw
     one's, a carry-over and not the code."""
-    if n <= 2:
-        return [list(range(n)), list(range(n))[::-1]] if n == 2 else [list(range(n))]
+    if n <= 1:
+        return [list(range(n))]
     first, lo, hi = [0], 1, n - 1
     while len(first) < n:
         first.append(lo)
