@@ -5,7 +5,11 @@
    backend client's GB/s moving the same objects between the same regions.
    Goal: >= 0.9. Each row's figure is the median over 5 fresh processes of each
    process's median over interleaved rounds (a process's connector put runs at a
-   level of its own on this VM).
+   level of its own on this VM). ``--backend mooncake`` starts a real
+   ``mooncake_master`` on loopback (re-running itself in a private network
+   namespace, as root) and compares against the worker's own client's zero-copy
+   batch calls; it adds the connector's get as an async load makes it (on the
+   load thread) beside the sync load's (vLLM's forward thread), and skips part 2.
 2. The connector's scheduler-side time per step divided by vLLM's schedule()
    time, with 256 running requests (real Scheduler; connector calls timed by
    wrapping them; CPU time of the scheduler's thread, since the harness runs the
@@ -15,12 +19,13 @@
    processes, whose levels differ by up to a quarter (one process's median did
    not reproduce in the next run). Goal: <= 0.10.
 
-    .venv/bin/python bench/bench_connector.py [--backend local] [--quick] [--json]
+    .venv/bin/python bench/bench_connector.py [--backend local|mooncake] [--quick] [--json]
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -43,6 +48,7 @@ from harness import (
     stat,
     thread_clock,
 )
+from mooncake_master import ensure_private_netns, start_master
 from rich.console import Console
 from rich.table import Table
 
@@ -50,6 +56,8 @@ from ascendstore.contract import BackendContext, Status
 from ascendstore.registry import create_backend
 
 app = typer.Typer(add_completion=False)
+#: the master's address for the Mooncake rows (main() starts it; fresh processes inherit it).
+MASTER_ENV = "_BENCH_CONNECTOR_MOONCAKE_MASTER"
 
 
 def _backend_config(backend: str, capacity_mib: int) -> dict[str, Any]:
@@ -60,7 +68,37 @@ def _backend_config(backend: str, capacity_mib: int) -> dict[str, Any]:
         return {"backend": "local", "backend_config": {"name": "bench-" + uuid.uuid4().hex[:8],
                                                        "capacity": f"{capacity_mib}MiB", "page_size": "64KiB",
                                                        "prefault": True}}
+    if backend == "mooncake":
+        # main() started the master (loopback, private namespace); fresh processes inherit this.
+        return {"backend": "mooncake", "backend_config": {
+            "master_server_address": os.environ[MASTER_ENV], "local_hostname": "127.0.0.1",
+            "global_segment_size": capacity_mib << 20, "local_buffer_size": 16 << 20, "exists_cache_ttl_s": 0}}
     return {"backend": backend}
+
+
+class _RawMooncake:
+    """The worker's own Mooncake client called straight (zero-copy batch calls on
+    the same connection and segment the connector uses), its argument lists built
+    once, as the local side's key and region lists are."""
+
+    def __init__(self, backend: Any, keys: list[str], regions: list[list[Any]]) -> None:
+        self._store = backend._store
+        self._cfg = backend._replicate
+        self._keys = keys
+        self._ptrs = [[r.addr for r in rs] for rs in regions]
+        self._sizes = [[r.length for r in rs] for rs in regions]
+        self._totals = [sum(s) for s in self._sizes]
+
+    def put(self) -> None:
+        rc = self._store.batch_put_from_multi_buffers(self._keys, self._ptrs, self._sizes, self._cfg)
+        assert list(rc) == [0] * len(self._keys), rc
+
+    def get(self) -> None:
+        rc = self._store.batch_get_into_multi_buffers(self._keys, self._ptrs, self._sizes, False)
+        assert list(rc) == self._totals, rc
+
+    def remove(self) -> None:
+        self._store.batch_remove(self._keys, True)
 
 
 def transfer_ratio(backend: str, num_chunks: int, rounds: int, blocks_per_chunk: int = 1,
@@ -81,14 +119,25 @@ def transfer_ratio(backend: str, num_chunks: int, rounds: int, blocks_per_chunk:
         bpc = blocks_per_chunk
         chunks = [ChunkRef(i, f"{i:064x}", list(range(1 + i * bpc, 1 + (i + 1) * bpc))) for i in range(num_chunks)]
         cfg = spec.extra_config
-        raw = create_backend(cfg["backend"], cfg.get("backend_config"), BackendContext(role="tool"))
         ops = w._ops(SaveSpec("bench", tenant, chunks), None)
         nbytes = sum(op.nbytes for op in ops)
         keys = [op.key for op in ops]
         regions = [op.materialize() for op in ops]  # the very regions the connector moves
+        if backend == "mooncake":
+            native = _RawMooncake(w.guard.backend, keys, regions)
+            raw = None
+            clear, raw_put, raw_get = native.remove, native.put, native.get
+        else:
+            raw = create_backend(cfg["backend"], cfg.get("backend_config"), BackendContext(role="tool"))
 
-        def clear() -> None:
-            raw.remove(keys, 30.0)
+            def clear() -> None:
+                raw.remove(keys, 30.0)
+
+            def raw_put() -> None:
+                assert raw.put(keys, regions, 30.0) == [Status.OK] * len(keys)
+
+            def raw_get() -> None:
+                assert raw.get(keys, regions, 30.0) == [Status.OK] * len(keys)
 
         def timed(fn: Callable[[], None], before: Callable[[], None] | None = None) -> Callable[[], float]:
             def sample() -> float:  # GB/s: median of 3 calls (each call moves every object once)
@@ -102,12 +151,6 @@ def transfer_ratio(backend: str, num_chunks: int, rounds: int, blocks_per_chunk:
                 return nbytes / statistics.median(ts) / 1e9
 
             return sample
-
-        def raw_put() -> None:
-            assert raw.put(keys, regions, 30.0) == [Status.OK] * len(keys)
-
-        def raw_get() -> None:
-            assert raw.get(keys, regions, 30.0) == [Status.OK] * len(keys)
 
         # The step's metadata is the scheduler's work (another process in vLLM), as
         # the raw client's key and region lists are prebuilt: made before the timing.
@@ -142,16 +185,36 @@ def transfer_ratio(backend: str, num_chunks: int, rounds: int, blocks_per_chunk:
             w.start_load_kv(None)
             assert not w.take_load_errors()
 
+        def prep_get_async() -> None:
+            stored()
+            step[:] = [AscendStoreMetadata(loads=[LoadSpec("bench", tenant, chunks, is_async=True)])]
+
+        def conn_get_async() -> None:
+            # The load thread's way (load_async): submitted here, waited for, collected
+            # as get_finished does.
+            w.bind(step[0])
+            w.start_load_kv(None)
+            assert w.engine.wait("load", ["bench"], 60)
+            _, recv = w.get_finished(set())
+            assert recv == {"bench"} and not w.take_load_errors()
+
         # Every put case clears the keys first (outside the timing), and stores the
         # same bytes under the same keys, so any get finds them whatever ran before.
         cases = {"raw put": timed(raw_put, clear), "conn put": timed(conn_put, prep_put),
                  "raw get": timed(raw_get, stored), "conn get": timed(conn_get, prep_get)}
+        ops = ["put", "get"]
+        if backend == "mooncake":
+            # Mooncake's gets run on a worker thread from vLLM's forward thread (sync
+            # loads, the default) but on the load thread itself for async loads.
+            cases["conn get async"] = timed(conn_get_async, prep_get_async)
+            ops.append("get async")
         raw_put()
         s = interleave(cases, rounds)
         clear()
-        raw.close()
+        if raw is not None:
+            raw.close()
         return {"gbps": {k: stat(v).as_dict() for k, v in s.items()},
-                "ratio": {op: ratios(s[f"conn {op}"], s[f"raw {op}"]).as_dict() for op in ("put", "get")},
+                "ratio": {op: ratios(s[f"conn {op}"], s[f"raw {op.split()[0]}"]).as_dict() for op in ops},
                 "object_bytes": nbytes / num_chunks, "objects": num_chunks, "blocks_per_chunk": bpc,
                 "block_size": block_size}
     finally:
@@ -293,12 +356,23 @@ def main(backend: str = "local", quick: bool = False, as_json: bool = typer.Opti
     n = 64 if quick else 192
     rounds = rounds or (3 if quick else 7)
     procs = procs or (1 if quick else 5)
+    master = None
+    if backend == "mooncake":
+        ensure_private_netns()
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+        master, os.environ[MASTER_ENV] = start_master()
     env0 = env_info()
-    transfers = transfers_across(backend, n, rounds, procs)
-    # 3 warm-up steps + two 16-step chunk periods per engine; 24 engines in 8 processes (3 in
-    # this one with --quick): per-engine levels differ by up to 2x on this VM (~30 us of work
-    # per step), per-process ones by up to a quarter, so many of both
-    s = scheduler_ratio(backend, 256, 35, 3 if quick else 24, 1 if quick else 8)
+    try:
+        transfers = transfers_across(backend, n, rounds, procs)
+        # 3 warm-up steps + two 16-step chunk periods per engine; 24 engines in 8 processes (3 in
+        # this one with --quick): per-engine levels differ by up to 2x on this VM (~30 us of work
+        # per step), per-process ones by up to a quarter, so many of both. Local pool only: a
+        # lookup through another backend is that backend's exists (bench_lookup.py).
+        s = scheduler_ratio(backend, 256, 35, 3 if quick else 24, 1 if quick else 8) if backend == "local" else None
+    finally:
+        if master is not None:
+            master.kill()
+            master.wait()
     out = {"transfer": transfers, "scheduler": s, "rounds": rounds, "processes": procs, "env_before": env0,
            "env_after": env_info()}
     if as_json:
@@ -312,10 +386,14 @@ def main(backend: str = "local", quick: bool = False, as_json: bool = typer.Opti
     for col in ("op", "objects", "connector GB/s", "raw GB/s", "ratio (goal >= 0.9)"):
         tab.add_column(col)
     for t in transfers:
-        for op in ("put", "get"):
+        for op in t["ratio"]:
             shape = f"{t['objects']} x {t['object_bytes'] / 1024:.0f} KiB ({t['blocks_per_chunk']} x {t['block_size']}-token blk)"
-            tab.add_row(op, shape, _fmt(t["gbps"][f"conn {op}"]), _fmt(t["gbps"][f"raw {op}"]), _fmt(t["ratio"][op]))
+            tab.add_row(op, shape, _fmt(t["gbps"][f"conn {op}"]), _fmt(t["gbps"][f"raw {op.split()[0]}"]),
+                        _fmt(t["ratio"][op]))
     c.print(tab)
+    if s is None:
+        c.print(f"load average before {env0['loadavg']}, after {out['env_after']['loadavg']}")
+        return
     tab = Table(title=f"scheduler side, {s['running']} running requests, {s['engines']} engine instances in "
                 f"{s['processes']} process(es), "
                 f"CPU time of the scheduler's thread")

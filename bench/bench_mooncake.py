@@ -21,18 +21,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import typer
 from harness import Stat, env_info, interleave, ratios, stat
+from mooncake_master import ensure_private_netns, start_master
 from rich.console import Console
 from rich.table import Table
 
@@ -45,35 +41,6 @@ BATCHES = 15  # timed calls per sample (their median)
 #: the deadline the connector gives a call by default (timeout_ms 5000)
 TIMEOUT_S = 5.0
 app = typer.Typer(add_completion=False)
-
-
-def _in_private_netns() -> bool:
-    return [n for _, n in socket.if_nameindex()] == ["lo"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_master() -> tuple[subprocess.Popen[bytes], str]:
-    binary = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [binary, "--rpc_address=127.0.0.1", f"--rpc_port={port}", "--metrics_host=127.0.0.1",
-         f"--metrics_port={_free_port()}"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return proc, f"127.0.0.1:{port}"
-        time.sleep(0.02)
-    proc.kill()
-    raise RuntimeError("mooncake_master did not start")
 
 
 def _measure(size: int, rounds: int, address: str) -> dict:
@@ -173,15 +140,10 @@ def main(
     rounds: int = typer.Option(11, min=1, max=50, help="interleaved rounds per size"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
-    if not _in_private_netns():
-        if os.geteuid() != 0 or os.environ.get("_BENCH_MOONCAKE_NETNS"):
-            raise SystemExit("run as root (or inside `unshare -n` with lo up): Mooncake clients listen on all interfaces")
-        cmd = " ".join([sys.executable, *map(repr, sys.argv)])
-        env = {**os.environ, "_BENCH_MOONCAKE_NETNS": "1"}
-        raise SystemExit(subprocess.call(["unshare", "-n", "bash", "-c", f"ip link set lo up && exec {cmd}"], env=env))
+    ensure_private_netns()
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     env0 = env_info()
-    master, address = _start_master()
+    master, address = start_master()
     try:
         results = {size: _measure(size, rounds, address) for size in (64 * KiB, 2 * MiB)}
     finally:

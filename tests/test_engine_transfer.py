@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 
@@ -214,6 +215,49 @@ def test_hung_backend_never_blocks_a_load_and_late_writes_are_bounced():
     assert eng._retired == [] and len(be.unregistered) == 2
     eng.shutdown(timeout_s=1)
     assert threading.active_count() < 50
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_bounce_commit_copies_what_arrived_into_each_objects_regions(stream):
+    """The landing buffer holds the batch's objects back to back; each object that
+    arrived goes out to its own regions (several per object, in any order in
+    memory), one that did not is skipped and so are its bytes in the buffer."""
+    from ascendstore.engine.transfer import HostBounce
+    from ascendstore.local import _shmpool
+
+    size = 3 << 20 if stream else 4096  # past the size a get streams from, or not
+    dst = torch.zeros(8 * size, dtype=torch.uint8)
+    base = dst.data_ptr()
+    # object 0: two regions, the second below the first; 1: one; 2: three (one empty)
+    layout = [[(4, 1), (0, 1)], [(2, 2)], [(6, 1), (5, 0), (7, 1)]]
+    ops = [ChunkOp(f"k{i}", [Region(base + o * size, n * size) for o, n in regs], [i], i)
+           for i, regs in enumerate(layout)]
+    bounce = HostBounce(1 << 20)
+    landing = bounce.stage_in(ops)
+    total = sum(op.nbytes for op in ops)
+    assert [r[0].length for r in landing] == [op.nbytes for op in ops] and total == 6 * size
+    src = torch.randint(0, 256, (total,), dtype=torch.uint8)
+    ctypes_buf = (ctypes.c_uint8 * total).from_address(landing[0][0].addr)
+    ctypes.memmove(ctypes_buf, src.data_ptr(), total)
+    saved = _shmpool.stream_min()
+    try:
+        if stream:
+            _shmpool.stream_min(-1, 1 << 20)
+        bounce.commit_in(ops, [True, False, True])
+    finally:
+        _shmpool.stream_min(*saved)
+    want = torch.zeros_like(dst)
+    pos = 0
+    for i, regs in enumerate(layout):
+        for o, n in regs:
+            if i != 1:
+                want[o * size : (o + n) * size] = src[pos : pos + n * size]
+            pos += n * size
+    assert torch.equal(dst, want) and dst[2 * size : 4 * size].sum() == 0
+    bounce.commit_in(ops, [True, True, True])
+    assert torch.equal(dst[2 * size : 4 * size], src[2 * size : 4 * size])
+    with pytest.raises(ValueError, match="one ok flag per object"):
+        bounce.commit_in(ops, [True])
 
 
 def test_layer_saves_share_one_exists_per_step():

@@ -39,6 +39,7 @@ from ascendstore.contract import Region, Status
 from ascendstore.engine.guard import GRACE_S, BackendGuard, PendingCall, Release
 from ascendstore.engine.plan import ChunkOp, stagger
 from ascendstore.engine.watch import CallWatch, WatchedCall
+from ascendstore.local._shmpool import scatter
 
 log = logging.getLogger(__name__)
 
@@ -133,15 +134,9 @@ class HostBounce:
 
     def commit_in(self, ops: Sequence[ChunkOp], ok: Sequence[bool]) -> None:
         assert self._buf is not None
-        pos = ctypes.addressof(self._buf)
-        memmove = ctypes.memmove
-        for op, good in zip(ops, ok, strict=True):
-            if good:
-                off = pos
-                for r in op.materialize():
-                    memmove(r.addr, off, r.length)
-                    off += r.length
-            pos += op.nbytes
+        # One native call for the batch, the GIL released: a ctypes memmove per
+        # region cost ~a third of the copy itself (512 x 64 KiB objects).
+        scatter(ctypes.addressof(self._buf), [op.materialize() for op in ops], ok)
 
     def detach(self, direction: str) -> tuple[object, Region | None]:
         old, self._buf = self._buf, None

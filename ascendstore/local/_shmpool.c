@@ -3882,6 +3882,85 @@ out:
     Py_RETURN_NONE;
 }
 
+/* scatter(src_addr, regions, ok=None): copy consecutive bytes from src_addr
+ * into each object's regions (regions[i]: a sequence of Region or (addr,
+ * length)); an object whose ok[i] is false is skipped, its bytes too. The copy
+ * out of a landing buffer (the engine's bounce for backends whose calls may
+ * outlive their deadline): one call per batch with the GIL released, so it
+ * does not pay a Python call per region, and streaming stores from the size a
+ * get streams from (the blocks are cold, and stores that skip the cache leave
+ * it to the backend's next transfer). Bad regions raise ValueError, nothing copied. */
+static PyObject *mod_scatter(PyObject *m, PyObject *args) {
+    unsigned long long src;
+    PyObject *regions, *ok = Py_None;
+    if (!PyArg_ParseTuple(args, "KO|O", &src, &regions, &ok)) return NULL;
+    PyObject *rf = PySequence_Fast(regions, "regions must be a sequence of region lists");
+    if (!rf) return NULL;
+    PyObject *of = NULL;
+    reg_t *regs = NULL;
+    uint8_t *skip = NULL;
+    PyObject *res = NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(rf), nregs = 0;
+    if (ok != Py_None) {
+        if (!(of = PySequence_Fast(ok, "ok must be a sequence of bool"))) goto out;
+        if (PySequence_Fast_GET_SIZE(of) != n) {
+            PyErr_SetString(PyExc_ValueError, "scatter: one ok flag per object");
+            goto out;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t k = PyObject_Length(PySequence_Fast_GET_ITEM(rf, i));
+        if (k < 0) goto out;
+        nregs += k;
+    }
+    regs = malloc(sizeof(reg_t) * (nregs + 1));
+    skip = malloc((size_t)nregs + 1);
+    if (!regs || !skip) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    Py_ssize_t r = 0;
+    uint64_t copied = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int use = 1;
+        if (of) {
+            use = PyObject_IsTrue(PySequence_Fast_GET_ITEM(of, i));
+            if (use < 0) goto out;
+        }
+        PyObject *lf = PySequence_Fast(PySequence_Fast_GET_ITEM(rf, i), "regions must be a sequence of region lists");
+        if (!lf) goto out;
+        Py_ssize_t k = PySequence_Fast_GET_SIZE(lf);
+        for (Py_ssize_t j = 0; j < k && r < nregs; j++, r++) {
+            if (parse_region(PySequence_Fast_GET_ITEM(lf, j), &regs[r]) < 0) {
+                Py_DECREF(lf);
+                PyErr_Format(PyExc_ValueError, "scatter: object %zd region %zd is not a Region or (addr, length)", i, j);
+                goto out;
+            }
+            skip[r] = !use;
+            if (use) copied += regs[r].len;
+        }
+        Py_DECREF(lf);
+    }
+    nregs = r;
+    Py_BEGIN_ALLOW_THREADS
+    int nt = copied >= nt_get_min && nt_batch(copied);
+    const uint8_t *pos = (const uint8_t *)(uintptr_t)src;
+    for (Py_ssize_t i = 0; i < nregs; i++) {
+        if (!skip[i] && regs[i].len) copy_nt((uint8_t *)(uintptr_t)regs[i].addr, pos, regs[i].len, nt);
+        pos += regs[i].len;
+    }
+    nt_fence(nt);
+    Py_END_ALLOW_THREADS
+    res = Py_None;
+    Py_INCREF(res);
+out:
+    free(regs);
+    free(skip);
+    Py_XDECREF(of);
+    Py_DECREF(rf);
+    return res;
+}
+
 /* stream_min(put_bytes=-1, get_bytes=-1) -> (put, get): batch sizes from which
  * puts / gets copy with streaming stores; a negative argument keeps the value.
  * For tests (force the streaming path on small data) and benchmarks. */
@@ -3901,6 +3980,7 @@ static PyMethodDef mod_methods[] = {
     {"checksum", mod_checksum, METH_VARARGS, "checksum(data, pieces=(), scalar=False) -> int"},
     {"stream_min", mod_stream_min, METH_VARARGS, "stream_min(put_bytes=-1, get_bytes=-1) -> (put, get): streaming-copy thresholds"},
     {"copy_regions", mod_copy_regions, METH_VARARGS, "copy_regions(dsts, srcs, size, stream=0): benchmark memcpy baseline (1/2: the pool's put/get copy)"},
+    {"scatter", mod_scatter, METH_VARARGS, "scatter(src_addr, regions, ok=None): copy consecutive bytes out to each object's regions"},
     {"entry_size", mod_entry_size, METH_NOARGS, "bytes of metadata per key slot"},
     {NULL},
 };

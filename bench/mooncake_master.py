@@ -1,0 +1,62 @@
+"""A real ``mooncake_master`` for the benchmarks, in a private network namespace.
+
+Mooncake clients listen on all interfaces, so a script that starts one re-runs
+itself under ``unshare -n`` (needs root) with only loopback up, unless it is in
+such a namespace already. The master binds 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+#: set in the re-run process: it must not try again (and fail loudly if still not isolated).
+_NETNS_FLAG = "_BENCH_MOONCAKE_NETNS"
+
+
+def in_private_netns() -> bool:
+    return [n for _, n in socket.if_nameindex()] == ["lo"]
+
+
+def ensure_private_netns() -> None:
+    """Return when in a private namespace; else re-run this command in one and exit with its status."""
+    if in_private_netns():
+        return
+    if os.geteuid() != 0 or os.environ.get(_NETNS_FLAG):
+        raise SystemExit("run as root (or inside `unshare -n` with lo up): Mooncake clients listen on all interfaces")
+    cmd = " ".join([sys.executable, *map(repr, sys.argv)])
+    env = {**os.environ, _NETNS_FLAG: "1"}
+    raise SystemExit(subprocess.call(["unshare", "-n", "bash", "-c", f"ip link set lo up && exec {cmd}"], env=env))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_master() -> tuple[subprocess.Popen[bytes], str]:
+    """A master on a free loopback port: (its process, ``host:port``). Kill it when done."""
+    binary = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "--rpc_address=127.0.0.1", f"--rpc_port={port}", "--metrics_host=127.0.0.1",
+         f"--metrics_port={free_port()}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mooncake_master exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc, f"127.0.0.1:{port}"
+        time.sleep(0.02)
+    proc.kill()
+    raise RuntimeError("mooncake_master did not open its port within 10 s")
