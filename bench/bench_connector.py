@@ -202,19 +202,19 @@ def transfer_ratio(backend: str, num_chunks: int, rounds: int, blocks_per_chunk:
         # same bytes under the same keys, so any get finds them whatever ran before.
         cases = {"raw put": timed(raw_put, clear), "conn put": timed(conn_put, prep_put),
                  "raw get": timed(raw_get, stored), "conn get": timed(conn_get, prep_get)}
-        ops = ["put", "get"]
+        compared = ["put", "get"]  # (``ops`` above is the step's chunk objects)
         if backend == "mooncake":
             # Mooncake's gets run on a worker thread from vLLM's forward thread (sync
             # loads, the default) but on the load thread itself for async loads.
             cases["conn get async"] = timed(conn_get_async, prep_get_async)
-            ops.append("get async")
+            compared.append("get async")
         raw_put()
         s = interleave(cases, rounds)
         clear()
         if raw is not None:
             raw.close()
         return {"gbps": {k: stat(v).as_dict() for k, v in s.items()},
-                "ratio": {op: ratios(s[f"conn {op}"], s[f"raw {op.split()[0]}"]).as_dict() for op in ops},
+                "ratio": {op: ratios(s[f"conn {op}"], s[f"raw {op.split()[0]}"]).as_dict() for op in compared},
                 "object_bytes": nbytes / num_chunks, "objects": num_chunks, "blocks_per_chunk": bpc,
                 "block_size": block_size}
     finally:

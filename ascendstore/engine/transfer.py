@@ -39,7 +39,7 @@ from ascendstore.contract import Region, Status
 from ascendstore.engine.guard import GRACE_S, BackendGuard, PendingCall, Release
 from ascendstore.engine.plan import ChunkOp, stagger
 from ascendstore.engine.watch import CallWatch, WatchedCall
-from ascendstore.local._shmpool import scatter
+from ascendstore.local._shmpool import scatter  # the core's one C extension holds its copy helpers
 
 log = logging.getLogger(__name__)
 
