@@ -103,6 +103,10 @@ class AscendStoreConfig(BaseModel):
         description="distinguishes lookup IPC paths of instances on one host",
     )
     load_async: Bool = Field(False, description="load on a transfer thread; the request waits in the scheduler until its KV arrives")
+    direct_async_loads: Bool = Field(
+        False,
+        description="load_async over a backend that may write after a deadline (mooncake, memcache): get into vLLM's blocks instead of a landing buffer and a copy; a get that overruns then holds its request until the client lets go (30-60 s for Mooncake) before it recomputes",
+    )
     use_layerwise: Bool = Field(False, description="store and load per layer, overlapping transfers with the forward pass")
     consumer_is_to_put: Bool = Field(False, description="PD split: decode (kv_consumer) nodes also write the pool")
     consumer_is_to_load: Bool = Field(False, description="PD split: decode (kv_consumer) nodes also read the pool")

@@ -185,8 +185,9 @@ def transfer_ratio(backend: str, num_chunks: int, rounds: int, blocks_per_chunk:
             w.start_load_kv(None)
             assert not w.take_load_errors()
 
-        def prep_get_async() -> None:
+        def prep_get_async(direct: bool = False) -> None:
             stored()
+            w.engine.direct_async_loads = direct  # the same worker, its option switched per case
             step[:] = [AscendStoreMetadata(loads=[LoadSpec("bench", tenant, chunks, is_async=True)])]
 
         def conn_get_async() -> None:
@@ -208,6 +209,9 @@ def transfer_ratio(backend: str, num_chunks: int, rounds: int, blocks_per_chunk:
             # loads, the default) but on the load thread itself for async loads.
             cases["conn get async"] = timed(conn_get_async, prep_get_async)
             compared.append("get async")
+            # direct_async_loads: the async get into vLLM's blocks, no landing buffer.
+            cases["conn get async direct"] = timed(conn_get_async, lambda: prep_get_async(True))
+            compared.append("get async direct")
         raw_put()
         s = interleave(cases, rounds)
         clear()

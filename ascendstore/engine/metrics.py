@@ -39,6 +39,8 @@ COUNTERS: tuple[str, ...] = (
     "save_held_late",
     "save_partial_removed",
     "load_buffers_retired",
+    # a direct async load whose get overran: its request held until the get ended
+    "load_held_late",
     # a load thread's get the watchdog gave up on (engine/watch.py)
     "loads_abandoned",
     "save_no_space",

@@ -13,7 +13,11 @@ backend that declares ``bounded_calls`` (and not ``detaches_calls``) calls are
 never abandoned, so they use vLLM's blocks directly. Otherwise loads land in connector-owned buffers
 (``HostBounce`` or the device stager's host buffers) and are copied into the
 blocks only after the call returned in time; a buffer whose call overran is
-retired until the call really ends. A backend that runs calls on the caller's
+retired until the call really ends, except for loads whose request vLLM keeps
+waiting until they are reported (async loads: ``holds_blocks``) when the engine is
+told so (``direct_async_loads``): those get straight into vLLM's blocks, and a get
+that overran keeps the request unreported, so the blocks stay vLLM's loan, until
+the call has ended. A backend that runs calls on the caller's
 thread but may outlive them (``bounded_calls`` and ``detaches_calls``) may block
 the load thread itself in a get (``caller_is_watched()``); the watchdog of
 engine/watch.py then gives up on it at its deadline (``_abandon``: the load
@@ -209,8 +213,12 @@ class _Task:
     failed: set[int] = field(default_factory=set)
     #: save: bytes and slots reserved in the save queue (released when it ends).
     reserved: int = 0
-    #: save: calls that overran and may still read the blocks; done only once all are True.
+    #: calls that overran and may still read (save) or write (a direct async load)
+    #: the blocks; the task is done only once all are True.
     held: list[Release] = field(default_factory=list)
+    #: load: vLLM keeps the request's blocks until this task is reported (an async
+    #: load: the request waits in WAITING_FOR_REMOTE_KVS, even when aborted).
+    holds_blocks: bool = False
     #: a whole step's saves as one task (``submit_save_step``): its objects, and the
     #: requests it stands for (pending under each; ``reserved`` is all of theirs).
     step: StepObjects | None = None
@@ -333,6 +341,7 @@ class TransferEngine:
         layer_batch_bytes: int = 0,
         layer_batch_blocks: int = 0,
         prefetch_layers: int = 0,
+        direct_async_loads: bool = False,
     ) -> None:
         self.guard = guard
         self.stager = stager
@@ -341,6 +350,11 @@ class TransferEngine:
         caps = guard.capabilities
         self._registers = bool(caps.needs_registration or caps.zero_copy)
         self._bounce = None if guard.direct else HostBounce(PIPELINE_BYTES, self._register)
+        #: Async loads (``holds_blocks``) of host KV skip the landing buffer and its
+        #: copy: their gets write vLLM's blocks, and one that overran holds its
+        #: request unreported until it has ended (a hung client: up to its own
+        #: 30-60 s, instead of the deadline, before the request recomputes).
+        self.direct_async_loads = direct_async_loads
         # One staging buffer per direction; sync loads share the load one.
         self._stage_locks = {"load": threading.Lock(), "save": threading.Lock()}
         self.metrics = guard.metrics
@@ -423,8 +437,13 @@ class TransferEngine:
         layer: int | None = None,
         after: Callable | None = None,
         deadline: float | None = None,
+        holds_blocks: bool = False,
     ) -> None:
-        task = _Task("load", req_id, list(ops), layer=layer, after=after, deadline=deadline)
+        """Queue a load for the load thread. ``holds_blocks``: vLLM keeps the
+        request's blocks until it is reported (async loads), so a get that
+        overran may be waited out instead of landing in a buffer (``direct_async_loads``)."""
+        task = _Task("load", req_id, list(ops), layer=layer, after=after, deadline=deadline,
+                     holds_blocks=holds_blocks and layer is None)
         if layer is not None:
             with self._lock:
                 self._layer_tasks[layer].append(task)
@@ -722,6 +741,17 @@ class TransferEngine:
                 self._save_bytes -= task.reserved
         task.done.set()
 
+    def _end_load(self, task: _Task) -> None:
+        """A direct async load is over for vLLM only when no call may still write its blocks."""
+        if task.held and not all(r() for r in task.held):
+            self.metrics.add(load_held_late=1)
+            log.warning("a get for %s overran its deadline; the request's blocks stay held (and the load "
+                        "unreported) until it ends", task.req_id)
+            with self._lock:
+                self._held.append(task)
+            return
+        self._finish(task)
+
     def _end_save(self, task: _Task) -> None:
         """A save is over for vLLM only when no call may still read its blocks."""
         if task.held and not all(r() for r in task.held):
@@ -747,7 +777,8 @@ class TransferEngine:
             if region is not None:
                 self.guard.backend.unregister([region])
         for t in done:
-            log.info("late put of %s ended; its blocks go back to vLLM", t.req_id)
+            log.info("late %s of %s ended; its blocks go back to vLLM", "put" if t.kind == "save" else "get",
+                     t.req_id)
             self._finish(t)
 
     def _register(self, region: Region) -> None:
@@ -769,6 +800,12 @@ class TransferEngine:
         self._reap()
         with self._lock:
             return len(self._retired) >= MAX_RETIRED_BUFFERS
+
+    def _stuck_full(self) -> bool:
+        """As many direct async loads wait out a late get as buffers may be retired."""
+        self._reap()
+        with self._lock:
+            return sum(t.kind == "load" for t in self._held) >= MAX_RETIRED_BUFFERS
 
     def pending(self, kind: str, req_id: str) -> bool:
         self._reap()
@@ -792,8 +829,16 @@ class TransferEngine:
             with self._lock:
                 tasks = list(self._pending[kind].get(r, []))
             for t in tasks:
-                if not t.done.wait(max(0.0, deadline - time.monotonic())):
+                if not self._wait_done(t, deadline):
                     return False
+        return True
+
+    def _wait_done(self, task: _Task, deadline: float) -> bool:
+        while not task.done.wait(max(0.0, min(deadline - time.monotonic(), WATCH_TICK_S))):
+            if time.monotonic() >= deadline:
+                return False
+            # A held task ends when its late call has: nobody else may be reaping.
+            self._reap()
         return True
 
     def cancel(self, req_ids: Iterable[str], timeout_s: float | None = None) -> set[int]:
@@ -829,12 +874,15 @@ class TransferEngine:
             try:
                 self._execute(task)
             except _Abandoned:
-                return  # the watchdog finished the task and started another load thread
+                # The watchdog failed the task and started another load thread; a
+                # task it held for this call may be reported now.
+                self._reap()
+                return
             except Exception:
                 log.exception("%s task for %s failed", kind, task.req_id)
                 if kind == "load":
                     task.failed.update(b for op in task.ops for b in op.block_ids)
-                    self._finish(task)
+                    self._end_load(task)
                 else:
                     self._end_save(task)
 
@@ -846,7 +894,7 @@ class TransferEngine:
             return
         if task.kind == "load":
             self._do_load(task)
-            self._finish(task)
+            self._end_load(task)
         else:
             self._do_save(task)
             self._end_save(task)
@@ -876,9 +924,13 @@ class TransferEngine:
         if self.stagger_delay_s and self.stagger_index:
             time.sleep(max(0.0, min(self.stagger_delay_s * self.stagger_index, self._time_left(task))))
         stager = self._load_stager()
-        # Straight into vLLM's blocks only with a backend that never outlives its
-        # calls; overlapped on a guard thread unless the backend runs inline (a
-        # hand-off costs more than the overlap gains for an in-process copy).
+        # Straight into vLLM's blocks with a backend that never outlives its calls,
+        # or for an async load (its blocks stay vLLM's loan until it is reported)
+        # when told so; overlapped on a guard thread unless the backend runs
+        # inline (a hand-off costs more than the overlap gains for an in-process copy).
+        held_direct = stager is not None and stager is self._bounce and self._holds_direct(task)
+        if held_direct:
+            stager = None
         pipelined = stager is None and not self.guard.inline
         pending: tuple[list[ChunkOp], int, PendingCall, float] | None = None
         max_bytes, max_blocks = self._batch_limit(task, pipelined, stager)
@@ -904,7 +956,9 @@ class TransferEngine:
                 pending = (batch, nbytes, self.guard.submit_get([op.key for op in batch], regions, left), t0)
                 continue
             try:
-                if stager is None:  # inline into vLLM's blocks (a direct, bounded backend)
+                if held_direct:  # into vLLM's blocks, waited out if it overruns
+                    statuses = self._held_get(task, batch, regions)
+                elif stager is None:  # inline into vLLM's blocks (a direct, bounded backend)
                     statuses = self.guard.get([op.key for op in batch], regions, max(0.0, self._time_left(task)))
                 else:
                     statuses = self._staged_get(task, batch, stager)
@@ -913,6 +967,29 @@ class TransferEngine:
             self._load_done(task, batch, statuses, time.perf_counter() - t0, nbytes)
         if pending is not None:
             self._collect_load(task, *pending)
+
+    def _holds_direct(self, task: _Task) -> bool:
+        return self.direct_async_loads and task.holds_blocks and getattr(self._role, "load_thread", False)
+
+    def _held_get(self, task: _Task, batch: list[ChunkOp], regions: list[list[Region]]) -> list[Status]:
+        """An async load's get straight into vLLM's blocks. If it overruns (the
+        watchdog gives up on it, or the backend detached it), the load fails and
+        the task stays unreported, so vLLM keeps the blocks, until the call ends."""
+        if self._stuck_full():
+            return [Status.TIMEOUT] * len(batch)  # every spare thread is stuck in a get: recompute
+        left = max(0.0, self._time_left(task))
+        watch = (self._watch.watching(time.monotonic() + left + GRACE_S, (task, batch, None, None))
+                 if self._watch is not None else nullcontext())
+        with watch as watched:
+            call = self.guard.submit_get([op.key for op in batch], regions, left)
+            statuses = self.guard.result(call)
+        if watched is not None and watched.abandoned:
+            watched.settled.wait()
+            raise _Abandoned  # the watchdog failed the task and holds it until this returned
+        release = self.guard.hold_for(call, statuses)
+        if release is not None:
+            task.held.append(release)
+        return statuses
 
     def _stage_lock(self, task: _Task) -> threading.Lock | None:
         """The load stager's lock, held; None when the task's time ran out first."""
@@ -978,6 +1055,19 @@ class TransferEngine:
         self.metrics.add(timeouts=n, load_failures=n, loads_abandoned=1)
         self.guard.observe("get", [Status.TIMEOUT] * n)
         backend = self.guard.backend
+        if stager is None:
+            # Straight into vLLM's blocks (``_held_get``): the request stays
+            # unreported, so vLLM keeps them, until the call has ended.
+            task.failed.update(b for op in task.ops for b in op.block_ids)
+            task.held.append(lambda: watched.returned and backend.quiescent())
+            try:
+                if task.after is not None:
+                    task.after(batch, [Status.TIMEOUT] * n)
+            finally:
+                self._end_load(task)
+                if not self._stop.is_set():
+                    self._start_thread("load")
+            return
         # Swap the buffer under a fresh lock held meanwhile: a waiter on the old
         # lock sees it replaced and queues here, never on the retired buffer.
         fresh = threading.Lock()

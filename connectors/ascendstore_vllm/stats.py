@@ -62,6 +62,7 @@ _HELP = {
     "save_failures": "chunk objects that failed to save",
     "timeouts": "backend calls that overran timeout_ms",
     "loads_abandoned": "load-thread gets the engine's watchdog gave up on at their deadline (recomputed)",
+    "load_held_late": "async loads into vLLM's blocks (direct_async_loads) held unreported until a late get ended",
     "prompt_tokens": "prompt tokens of requests the scheduler admitted (denominator of hit ratios)",
     "hit_tokens": "prompt tokens served from a cache tier: device (vLLM prefix cache) or pool_<tier>",
     "tenant_hit_tokens": "prompt tokens served from the pool, by tenant (hashed cache_salt; capped, rest 'other')",

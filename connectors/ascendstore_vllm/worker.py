@@ -108,6 +108,7 @@ class AscendStoreWorker:
             layer_batch_bytes=cfg.layerwise_max_transfer_bytes,
             layer_batch_blocks=cfg.layerwise_max_transfer_blocks,
             prefetch_layers=cfg.layerwise_prefetch_layers,
+            direct_async_loads=cfg.direct_async_loads,
             max_inflight_bytes=cfg.max_inflight_bytes,
             stagger_index=idx,
             stagger_size=size,
@@ -151,6 +152,9 @@ class AscendStoreWorker:
         if cfg.use_layerwise and "layerwise_num_shared_buffers" in cfg.model_fields_set:
             log.warning("layerwise_num_shared_buffers is accepted for vllm-ascend compatibility and ignored: "
                         "device KV goes through one staging buffer per direction (staging_buffer_bytes)")
+        if cfg.direct_async_loads and (not cfg.load_async or cfg.use_layerwise):
+            log.warning("direct_async_loads applies to async loads only (load_async: true, use_layerwise: false); "
+                        "it has no effect here")
         self._server: LookupServer | None = None
         if ctx.tp_rank == 0 and ctx.pp_rank == 0 and cfg.lookup_mode in ("auto", "rpc"):
             try:
@@ -370,8 +374,10 @@ class AscendStoreWorker:
                 self._async_loads.add(spec.req_id)
                 # Its own deadline from now: a load queued behind slow ones fails
                 # fast (recompute) instead of holding its request's blocks longer.
+                # vLLM keeps its blocks until get_finished reports it, even if aborted.
                 self.engine.submit_load(spec.req_id, self._ops(spec, None), after=self._after_load(spec),
-                                        deadline=time.monotonic() + self.ctx.config.timeout_ms / 1000)
+                                        deadline=time.monotonic() + self.ctx.config.timeout_ms / 1000,
+                                        holds_blocks=True)
             else:
                 self._sync_load_failed(self.engine.load_now(spec.req_id, self._ops(spec, None),
                                                             after=self._after_load(spec), deadline=deadline))

@@ -22,7 +22,8 @@ def faulty_extra(pool: str, *, checksum: bool = True, capacity: str = "32MiB", t
                  lookup_timeout_ms: int = 200, **faults: Any) -> dict[str, Any]:
     """kv_connector_extra_config: ``faulty`` over a private ``local`` pool."""
     extra_top = {k: faults.pop(k) for k in list(faults) if k in ("load_async", "use_layerwise", "lookup_mode",
-                                                                  "lookup_rpc_port", "instance_id", "gr")}
+                                                                  "lookup_rpc_port", "instance_id", "gr",
+                                                                  "direct_async_loads")}
     return {
         "backend": "faulty",
         "backend_config": {

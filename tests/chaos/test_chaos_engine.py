@@ -465,3 +465,134 @@ def test_a_sync_load_queued_behind_a_given_up_get_moves_on_and_keeps_the_retired
         be.set_faults(hang_s={})
         eng.shutdown(timeout_s=2)
         guard.close()
+
+
+# -- async loads straight into vLLM's blocks (``direct_async_loads``) ------------------------
+
+def _load_held(eng: TransferEngine, req: str, dev: Device, chunks: list[int], timeout_s: float) -> set[int]:
+    """An async load as the connector makes it with ``direct_async_loads``: vLLM
+    keeps the request's blocks until it is reported."""
+    eng.submit_load(req, ops(dev, chunks, KEYS), deadline=time.monotonic() + timeout_s, holds_blocks=True)
+    assert eng.wait("load", [req], 30.0), "an async load never finished"
+    return eng.take_results().loaded[req]
+
+
+def _open_direct(timeout_s: float):
+    be, guard, eng = open_engine(timeout_s=timeout_s, detaches=True)
+    eng.direct_async_loads = True
+    return be, guard, eng
+
+
+def test_a_direct_async_load_is_reported_only_once_its_late_get_has_written():
+    """The get writes vLLM's blocks (no landing buffer). Given up at its deadline,
+    the load keeps its request unreported (so vLLM keeps the blocks) while the get
+    still hangs, and reports it failed only after the get has scribbled; other
+    loads go on meanwhile on a new load thread. Reported at the deadline instead,
+    the scribble would land in blocks vLLM had taken back."""
+    timeout = 0.2
+    be, guard, eng = _open_direct(timeout)
+    dev, dev2 = Device(8), Device(8)
+    chunks = list(range(8))
+    try:
+        save_all(eng, dev, chunks)
+        dev.wipe()
+        be.set_faults(hang_s={"get": 2.0}, late_garbage=True)
+        eng.submit_load("r", ops(dev, chunks, KEYS), deadline=time.monotonic() + timeout, holds_blocks=True)
+        _wait_for(lambda: guard.metrics.totals()["loads_abandoned"] == 1, what="the watchdog to give up")
+        be.set_faults(hang_s={}, late_garbage=False)
+        # A new load thread serves while the given-up get still hangs on the old one.
+        dev2.wipe()
+        assert _load_held(eng, "r2", dev2, chunks, timeout) == set() and _wrong(dev2, chunks, set()) == 0
+        assert be.hanging == 1 and eng.pending("load", "r"), "r was reported while its get still hung"
+        loaded: dict[str, set[int]] = {}
+        _wait_for(lambda: loaded.update(eng.take_results().loaded) or "r" in loaded, what="r to be reported")
+        assert be.injected["late_garbage"] == 1, "reported before the late get had written its blocks"
+        assert loaded["r"] == set(range(8)), "the given-up load's blocks must all be recomputed"
+        assert (dev.buf == 0xA5).any(), "the late get did not write the held blocks: no landing buffer in between"
+        assert eng._bounce is not None and eng._bounce.region() is None, "the landing buffer was used"
+        m = guard.metrics.totals()
+        assert m["loads_abandoned"] == 1 and m["load_held_late"] == 1 and m["load_buffers_retired"] == 0
+        _wait_for(lambda: len([t for t in eng._threads if t.is_alive() and t.name.endswith("-load")]) == 1,
+                  what="the stuck load thread to end")
+        report("engine_direct_async_held", late_writes=be.injected["late_garbage"], held=m["load_held_late"])
+    finally:
+        be.set_faults(hang_s={}, late_garbage=False)
+        eng.shutdown(timeout_s=2)
+        guard.close()
+
+
+def test_direct_async_loads_racing_their_deadline_never_report_blocks_a_get_still_writes():
+    """Gets wake around the deadline (and past the watchdog), half of them
+    scribbling: every load is exact or failed whole, no call is running when it
+    is reported, and blocks recomputed after the report stay as recomputed (no
+    write after the report); sync loads keep the landing buffer meanwhile."""
+    timeout = 0.1
+    be, guard, eng = _open_direct(timeout)
+    chunks = list(range(8))
+    rng = np.random.default_rng(int(os.environ.get("ASCENDSTORE_CHAOS_SEED", "41")))
+    outcomes = {"loaded": 0, "failed": 0}
+    devs: list[Device] = []
+    try:
+        save_all(eng, Device(8), chunks)
+        for k in range(24):
+            hang = float(rng.uniform(0.5, 2.5) * timeout)
+            be.set_faults(hang_s={"get": hang}, late_garbage=bool(k % 2))
+            dev = Device(8)
+            dev.wipe()
+            failed = _load_held(eng, f"r{k}", dev, chunks, timeout)
+            assert be.hanging == 0 and be.quiescent(), f"round {k}: reported while its get ran (hang {hang:.3f} s)"
+            assert failed in (set(), set(range(8))), failed
+            assert _wrong(dev, chunks, failed) == 0, f"round {k}: hang {hang:.3f} s served wrong bytes"
+            for i in failed:  # vLLM recomputes them
+                dev.compute(i, chunks[i])
+            devs.append(dev)
+            outcomes["failed" if failed else "loaded"] += 1
+            time.sleep(float(rng.uniform(0, 0.01)))
+        be.set_faults(hang_s={}, late_garbage=False)
+        sdev = Device(8)
+        sdev.wipe()
+        assert eng.load_now("s", ops(sdev, chunks, KEYS)) == set() and _wrong(sdev, chunks, set()) == 0
+        assert eng._bounce is not None and eng._bounce.region() is not None, "sync loads keep the landing buffer"
+        time.sleep(3 * timeout)
+        assert all(_wrong(d, chunks, set()) == 0 for d in devs), "a block was written after its load was reported"
+        m = guard.metrics.totals()
+        report("engine_direct_async_race", **outcomes, abandoned=m["loads_abandoned"], held=m["load_held_late"])
+        assert outcomes["loaded"] and outcomes["failed"] and m["load_held_late"], f"both sides of the race: {outcomes}"
+    finally:
+        be.set_faults(hang_s={}, late_garbage=False)
+        eng.shutdown(timeout_s=2)
+        guard.close()
+
+
+def test_direct_async_loads_waiting_out_late_gets_are_bounded_then_fail_fast():
+    """Four given-up gets hold their requests (and four stuck load threads); the
+    next direct load fails at once (recompute) without a call of its own, and
+    once the gets return, all four are reported and loads are direct again."""
+    timeout = 0.1
+    be, guard, eng = _open_direct(timeout)
+    dev = Device(8)
+    chunks = list(range(8))
+    try:
+        save_all(eng, dev, chunks)
+        be.set_faults(hang_s={"get": 5.0})
+        held = [Device(8) for _ in range(4)]  # vLLM's blocks: alive while the gets may write them
+        for k in range(4):
+            eng.submit_load(f"r{k}", ops(held[k], chunks, KEYS), deadline=time.monotonic() + timeout,
+                            holds_blocks=True)
+            _wait_for(lambda k=k: guard.metrics.totals()["load_held_late"] == k + 1, what=f"r{k} to be held")
+        assert be.hanging == 4
+        t0 = time.monotonic()
+        assert _load_held(eng, "r4", dev, chunks, 5.0) == set(range(8)), "a fifth stuck get was allowed"
+        assert time.monotonic() - t0 < 2.5 and be.hanging == 4, "the fifth load made a call or waited"
+        assert not eng.take_results().loaded, "a held load was reported while its get hung"
+        be.set_faults(hang_s={})
+        loaded: dict[str, set[int]] = {}
+        _wait_for(lambda: loaded.update(eng.take_results().loaded) or len(loaded) == 4, timeout_s=15,
+                  what="the held loads to be reported")
+        assert all(f == set(range(8)) for f in loaded.values()) and be.hanging == 0
+        dev.wipe()
+        assert _load_held(eng, "last", dev, chunks, timeout) == set() and _wrong(dev, chunks, set()) == 0
+    finally:
+        be.set_faults(hang_s={})
+        eng.shutdown(timeout_s=2)
+        guard.close()

@@ -136,6 +136,74 @@ def test_late_get_never_writes_vllm_blocks(mode):
         eng.close()
 
 
+def test_direct_async_loads_hold_their_requests_until_the_late_gets_end():
+    """``direct_async_loads``: async gets write vLLM's blocks, no landing buffer.
+    Every get hangs past the timeout, then scribbles into the blocks it was
+    given. Each request must stay waiting for its KV (its blocks vLLM's loan)
+    until its get has ended, one aborted meanwhile included, while other
+    requests keep taking free blocks; then it is recomputed, and nothing vLLM
+    reads is garbage. Reported at the deadline instead, a request would compute
+    over blocks the late get then overwrites, or (aborted) free blocks that
+    other requests reuse."""
+    name = pool_name("own-direct")
+    extra = faulty_extra(name, checksum=False, timeout_ms=TIMEOUT_MS, load_async=True, direct_async_loads=True,
+                         detaches=True)
+    eng = EngineHarness(EngineSpec(extra_config=extra, num_blocks=96))
+    try:
+        ps = prompts(3, seed=41)
+        _serve(eng, ps, "w")
+        assert eng.scheduler.reset_prefix_cache()
+        watch = GarbageWatch(eng)
+        _set(hang_s={"get": HANG_S}, late_garbage=True)
+        t0 = time.monotonic()
+        # One request at a time, each once the previous one's get was given up: a
+        # load queued behind a hung get would expire unstarted (no get, no hold).
+        added: dict[str, float] = {}
+        recv_at: dict[str, float] = {}
+        extra_reqs = iter(prompts(12, seed=42))
+        aborted = False
+        k = 0
+        while eng.scheduler.requests or len(added) < len(ps):
+            assert time.monotonic() - t0 < 30, f"requests still pending: {list(eng.scheduler.requests)}"
+            given_up = eng.stats_total().get("loads_abandoned", 0)
+            if len(added) < len(ps) and given_up >= len(added):
+                i = len(added)
+                eng.add_request(f"r{i}", ps[i], max_tokens=4)
+                added[f"r{i}"] = time.monotonic()
+            rec = eng.step()
+            for r in rec.finished_recving:
+                recv_at.setdefault(r, time.monotonic())
+            if not aborted and given_up >= len(ps) and "r2" in eng.scheduler.requests:
+                eng.abort("r2")  # its get may still be writing: vLLM must keep its blocks
+                aborted = True
+            if k < 12 and sum(r.startswith("x") for r in eng.scheduler.requests) < 2:
+                # New prompts (pool misses, no gets): they take free blocks while the gets hang.
+                eng.add_request(f"x{k}", next(extra_reqs), max_tokens=2)
+                k += 1
+            if not rec.scheduled:
+                time.sleep(0.002)
+        assert set(recv_at) >= set(added), recv_at
+        waited = {r: round(recv_at[r] - t, 3) for r, t in added.items()}
+        early = {r: w for r, w in waited.items() if w < HANG_S * 0.9}
+        _set(hang_s={}, late_garbage=False)
+        seen = watch.stop()
+        stats = eng.stats_total()
+        assert aborted and not eng.scheduler.requests
+        assert stats.get("loads_abandoned", 0) == len(ps), "every request's get should have been given up"
+        assert not early, f"loads reported at {early} s, before their gets ({HANG_S} s) ended"
+        assert seen > 0, "no late get wrote vLLM's blocks: the loads were not direct, the test proves nothing"
+        assert stats.get("load_held_late", 0) >= 1 and stats.get("load_buffers_retired", 0) == 0
+        assert _read_errors(eng) == [], "vLLM read bytes a late get wrote"
+        assert all(exact(eng, f"r{i}", p) for i, p in enumerate(ps[:2]))
+        _serve(eng, ps, "z")  # the fast path is back: loads hit and are exact
+        assert _read_errors(eng) == [] and all(exact(eng, f"z{i}", p) for i, p in enumerate(ps))
+        report("ownership_direct_async_held", waited_s=waited, late_writes=seen, reuse=k,
+               held=stats.get("load_held_late", 0))
+    finally:
+        _set(hang_s={}, late_garbage=False)
+        eng.close()
+
+
 @pytest.mark.parametrize("mode", [*MODES, "async-detaches", "layerwise-detaches"])
 def test_get_answered_within_the_grace_never_loads_garbage(mode):
     """A hung get that wakes after its timeout but before the guard stops waiting

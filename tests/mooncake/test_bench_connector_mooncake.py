@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bench_connector_mooncake_reports_put_and_both_gets_per_row():
+def test_bench_connector_mooncake_reports_put_and_every_get_per_row():
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "bench_connector.py"), "--backend", "mooncake", "--quick",
          "--rounds", "1", "--json"],
@@ -23,7 +23,8 @@ def test_bench_connector_mooncake_reports_put_and_both_gets_per_row():
     assert res["scheduler"] is None  # the scheduler share is the local pool's
     assert len(res["transfer"]) == 4
     for row in res["transfer"]:
-        assert set(row["gbps"]) == {"raw put", "conn put", "raw get", "conn get", "conn get async"}
-        assert set(row["ratio"]) == {"put", "get", "get async"}
+        assert set(row["gbps"]) == {"raw put", "conn put", "raw get", "conn get", "conn get async",
+                                    "conn get async direct"}
+        assert set(row["ratio"]) == {"put", "get", "get async", "get async direct"}
         for g in row["gbps"].values():
             assert 0 < g["min"] <= g["median"] <= g["max"]

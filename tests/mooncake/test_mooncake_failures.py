@@ -231,6 +231,78 @@ def test_a_stopped_master_stalls_the_load_thread_and_the_watchdog_gives_the_load
         guard.close()
 
 
+def test_direct_async_loads_over_a_stopped_master_stay_unreported_until_the_native_gets_end(
+    master_factory, open_backend, monkeypatch
+) -> None:
+    """``direct_async_loads``: an async load's get writes the KV blocks themselves.
+    With the master stopped, the load thread's get stalls in the client; the
+    watchdog fails the load at its deadline but keeps it unreported (vLLM would
+    keep the blocks) until the native call has ended; the next load, on a worker
+    (the store is not healthy), is held the same way once its call is detached.
+    Reported, no native call is running; once the master is back loads are exact
+    and never touch the landing buffer."""
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "3000")  # the stall: 10x the load's deadline
+    m = master_factory()
+    b = open_backend(m, exists_cache_ttl_s=0)
+    b._guard.inline_cooldown_s = 1.0
+    obj, n, timeout = 64 << 10, 8, 0.3
+    data = payload(630, n * obj)
+    kv = np.zeros_like(data)  # stands in for vLLM's host KV blocks
+    keys = [f"direct/{i}" for i in range(n)]
+    assert b.put(keys, [[region(data, i * obj, obj)] for i in range(n)], 2.0) == [Status.OK] * n
+    guard = BackendGuard(b, timeout)
+    eng = TransferEngine(guard, direct_async_loads=True)
+    chunk_ops = [ChunkOp(k, [region(kv, i * obj, obj)], [i]) for i, k in enumerate(keys)]
+    reported: dict[str, set[int]] = {}
+
+    def submit(req: str) -> None:
+        eng.submit_load(req, chunk_ops, deadline=time.monotonic() + timeout, holds_blocks=True)
+
+    def collect(req: str, within_s: float) -> set[int]:
+        deadline = time.monotonic() + within_s
+        while req not in reported:
+            assert time.monotonic() < deadline, f"{req} never reported"
+            reported.update(eng.take_results().loaded)
+            if req in reported:
+                assert b.stats()["inflight_calls"] == 0, f"{req} reported while a native call still ran"
+            time.sleep(0.01)
+        return reported.pop(req)
+
+    try:
+        submit("r0")
+        assert collect("r0", 10) == set() and np.array_equal(kv, data)
+        kv[:] = 0
+        _stop(m.proc)
+        try:
+            submit("r1")
+            time.sleep(3 * timeout)  # past its deadline, the watchdog's grace and tick
+            m_ = guard.metrics.totals()
+            assert m_["loads_abandoned"] == 1 and m_["load_held_late"] == 1, m_
+            assert "r1" not in eng.take_results().loaded and eng.pending("load", "r1"), \
+                "reported while its native get still runs"
+            submit("r2")  # a new load thread; the store is not healthy: a worker, detached at the deadline
+            time.sleep(3 * timeout)
+            assert b.stats()["inflight_calls"] >= 1
+            assert "r2" not in eng.take_results().loaded and eng.pending("load", "r2")
+        finally:
+            m.proc.send_signal(signal.SIGCONT)
+        assert collect("r1", 15) == set(range(n)) and collect("r2", 15) == set(range(n))
+        assert guard.metrics.totals()["load_held_late"] == 2
+        deadline = time.monotonic() + 15
+        while True:
+            kv[:] = 0
+            submit("r3")
+            if collect("r3", 15) == set():
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert np.array_equal(kv, data)
+        assert eng._bounce is not None and eng._bounce.region() is None, "an async load used the landing buffer"
+    finally:
+        eng.shutdown(timeout_s=2)
+        guard.close()
+
+
 def test_only_watched_gets_run_on_the_callers_thread_and_inline_gets_false_turns_them_off(open_backend) -> None:
     data = payload(620, 64 << 10)
     dst = np.zeros_like(data)

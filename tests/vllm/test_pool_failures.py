@@ -166,3 +166,16 @@ def test_abort_during_async_load_frees_after_the_load(pool_root):
         assert exact(b, "c", PROMPT_B[:50])
     finally:
         b.close()
+
+
+@pytest.mark.parametrize(("mode", "warned"), [({}, True), ({"load_async": True, "use_layerwise": True}, True),
+                                              ({"load_async": True}, False)], ids=["sync", "layerwise", "async"])
+def test_direct_async_loads_where_it_does_nothing_is_named_at_start_up(pool_root, caplog, mode, warned):
+    cfg = pool_config(pool_root, direct_async_loads=True, **mode)
+    with caplog.at_level("WARNING", logger="ascendstore_vllm.worker"):
+        eng = EngineHarness(EngineSpec(extra_config=cfg))
+    try:
+        hits = [r.getMessage() for r in caplog.records if "direct_async_loads" in r.getMessage()]
+        assert len(hits) == (1 if warned else 0), hits
+    finally:
+        eng.close()

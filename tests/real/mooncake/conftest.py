@@ -25,8 +25,9 @@ def private_netns() -> None:
                     pytrace=False)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Master]:
+    """A master per test: each test's cold pass must find the pool empty."""
     m = Master(tmp_path_factory.mktemp("mooncake-logs"))
     m.start()
     yield m
