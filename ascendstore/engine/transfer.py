@@ -1058,15 +1058,8 @@ class TransferEngine:
         if stager is None:
             # Straight into vLLM's blocks (``_held_get``): the request stays
             # unreported, so vLLM keeps them, until the call has ended.
-            task.failed.update(b for op in task.ops for b in op.block_ids)
             task.held.append(lambda: watched.returned and backend.quiescent())
-            try:
-                if task.after is not None:
-                    task.after(batch, [Status.TIMEOUT] * n)
-            finally:
-                self._end_load(task)
-                if not self._stop.is_set():
-                    self._start_thread("load")
+            self._fail_given_up(task, batch)
             return
         # Swap the buffer under a fresh lock held meanwhile: a waiter on the old
         # lock sees it replaced and queues here, never on the retired buffer.
@@ -1082,14 +1075,19 @@ class TransferEngine:
             # thread) must not wait that out. A ``Lock`` may be released by any
             # thread; the stuck thread, seeing itself abandoned, leaves it alone.
             old.release()
-            task.failed.update(b for op in task.ops for b in op.block_ids)
-            try:
-                if task.after is not None:
-                    task.after(batch, [Status.TIMEOUT] * n)
-            finally:
-                self._finish(task)
-                if not self._stop.is_set():
-                    self._start_thread("load")
+            self._fail_given_up(task, batch)
+
+    def _fail_given_up(self, task: _Task, batch: list[ChunkOp]) -> None:
+        """The whole load fails (recompute); it ends now, or once its late call has
+        (held); another load thread takes the queue."""
+        task.failed.update(b for op in task.ops for b in op.block_ids)
+        try:
+            if task.after is not None:
+                task.after(batch, [Status.TIMEOUT] * len(batch))
+        finally:
+            self._end_load(task)
+            if not self._stop.is_set():
+                self._start_thread("load")
 
     def _collect_load(self, task: _Task, batch: list[ChunkOp], nbytes: int, call: PendingCall, t0: float) -> None:
         try:

@@ -172,6 +172,24 @@ def test_a_stopped_master_stalls_an_inline_put_once_never_a_get(master_factory, 
     assert b.get(["stop/e"], [[region(dst)]], 1.0) == [Status.OK] and np.array_equal(dst, data)
 
 
+def _stalling_load_setup(master_factory, open_backend, monkeypatch, seed: int, prefix: str, **engine_kw):
+    """A backend whose next calls stall once the master is stopped, 8 x 64 KiB
+    objects stored, and an engine loading them into host "KV" (``kv``)."""
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "3000")  # the stall: 10x the load's deadline
+    m = master_factory()
+    b = open_backend(m, exists_cache_ttl_s=0)
+    b._guard.inline_cooldown_s = 1.0
+    obj, n, timeout = 64 << 10, 8, 0.3
+    data = payload(seed, n * obj)
+    kv = np.zeros_like(data)  # stands in for vLLM's host KV blocks
+    keys = [f"{prefix}/{i}" for i in range(n)]
+    assert b.put(keys, [[region(data, i * obj, obj)] for i in range(n)], 2.0) == [Status.OK] * n
+    guard = BackendGuard(b, timeout)
+    eng = TransferEngine(guard, **engine_kw)
+    chunk_ops = [ChunkOp(k, [region(kv, i * obj, obj)], [i]) for i, k in enumerate(keys)]
+    return m, b, guard, eng, chunk_ops, data, kv, n, timeout
+
+
 def test_a_stopped_master_stalls_the_load_thread_and_the_watchdog_gives_the_load_up(
     master_factory, open_backend, monkeypatch
 ) -> None:
@@ -180,19 +198,9 @@ def test_a_stopped_master_stalls_the_load_thread_and_the_watchdog_gives_the_load
     load at its deadline while the native call still runs, a new load thread takes
     the next load (which goes to a worker: an inline call is overdue), and once the
     master is back loads are exact again. vLLM's memory never sees a late byte."""
-    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "3000")  # the stall: 10x the load's deadline
-    m = master_factory()
-    b = open_backend(m, exists_cache_ttl_s=0)
-    b._guard.inline_cooldown_s = 1.0
-    obj, n, timeout = 64 << 10, 8, 0.3
-    data = payload(610, n * obj)
-    kv = np.zeros_like(data)  # stands in for vLLM's host KV blocks
-    keys = [f"watch/{i}" for i in range(n)]
-    assert b.put(keys, [[region(data, i * obj, obj)] for i in range(n)], 2.0) == [Status.OK] * n
-    guard = BackendGuard(b, timeout)
-    eng = TransferEngine(guard)
+    m, b, guard, eng, chunk_ops, data, kv, n, timeout = _stalling_load_setup(
+        master_factory, open_backend, monkeypatch, 610, "watch")
     assert eng._watch is not None, "a detaching backend's loads must be watched"
-    chunk_ops = [ChunkOp(k, [region(kv, i * obj, obj)], [i]) for i, k in enumerate(keys)]
 
     def load(req: str) -> set[int]:
         eng.submit_load(req, chunk_ops, deadline=time.monotonic() + timeout)
@@ -241,18 +249,8 @@ def test_direct_async_loads_over_a_stopped_master_stay_unreported_until_the_nati
     (the store is not healthy), is held the same way once its call is detached.
     Reported, no native call is running; once the master is back loads are exact
     and never touch the landing buffer."""
-    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "3000")  # the stall: 10x the load's deadline
-    m = master_factory()
-    b = open_backend(m, exists_cache_ttl_s=0)
-    b._guard.inline_cooldown_s = 1.0
-    obj, n, timeout = 64 << 10, 8, 0.3
-    data = payload(630, n * obj)
-    kv = np.zeros_like(data)  # stands in for vLLM's host KV blocks
-    keys = [f"direct/{i}" for i in range(n)]
-    assert b.put(keys, [[region(data, i * obj, obj)] for i in range(n)], 2.0) == [Status.OK] * n
-    guard = BackendGuard(b, timeout)
-    eng = TransferEngine(guard, direct_async_loads=True)
-    chunk_ops = [ChunkOp(k, [region(kv, i * obj, obj)], [i]) for i, k in enumerate(keys)]
+    m, b, guard, eng, chunk_ops, data, kv, n, timeout = _stalling_load_setup(
+        master_factory, open_backend, monkeypatch, 630, "direct", direct_async_loads=True)
     reported: dict[str, set[int]] = {}
 
     def submit(req: str) -> None:
