@@ -741,22 +741,17 @@ class TransferEngine:
                 self._save_bytes -= task.reserved
         task.done.set()
 
-    def _end_load(self, task: _Task) -> None:
-        """A direct async load is over for vLLM only when no call may still write its blocks."""
+    def _end(self, task: _Task) -> None:
+        """A task is over for vLLM only when no call may still use its blocks: a
+        put reading them, or a direct async load's get writing them."""
         if task.held and not all(r() for r in task.held):
-            self.metrics.add(load_held_late=1)
-            log.warning("a get for %s overran its deadline; the request's blocks stay held (and the load "
-                        "unreported) until it ends", task.req_id)
-            with self._lock:
-                self._held.append(task)
-            return
-        self._finish(task)
-
-    def _end_save(self, task: _Task) -> None:
-        """A save is over for vLLM only when no call may still read its blocks."""
-        if task.held and not all(r() for r in task.held):
-            self.metrics.add(save_held_late=1)
-            log.warning("a put of %s overran its deadline; its blocks stay held until it ends", task.req_id)
+            if task.kind == "save":
+                self.metrics.add(save_held_late=1)
+                log.warning("a put of %s overran its deadline; its blocks stay held until it ends", task.req_id)
+            else:
+                self.metrics.add(load_held_late=1)
+                log.warning("a get for %s overran its deadline; the request's blocks stay held (and the load "
+                            "unreported) until it ends", task.req_id)
             with self._lock:
                 self._held.append(task)
             return
@@ -882,9 +877,9 @@ class TransferEngine:
                 log.exception("%s task for %s failed", kind, task.req_id)
                 if kind == "load":
                     task.failed.update(b for op in task.ops for b in op.block_ids)
-                    self._end_load(task)
+                    self._end(task)
                 else:
-                    self._end_save(task)
+                    self._end(task)
 
     def _execute(self, task: _Task) -> None:
         if task.cancelled:
@@ -894,10 +889,10 @@ class TransferEngine:
             return
         if task.kind == "load":
             self._do_load(task)
-            self._end_load(task)
+            self._end(task)
         else:
             self._do_save(task)
-            self._end_save(task)
+            self._end(task)
 
     def _time_left(self, task: _Task) -> float:
         """Seconds the task's next backend call may take: the timeout, capped by the task's deadline."""
@@ -969,7 +964,10 @@ class TransferEngine:
             self._collect_load(task, *pending)
 
     def _holds_direct(self, task: _Task) -> bool:
-        return self.direct_async_loads and task.holds_blocks and getattr(self._role, "load_thread", False)
+        return self.direct_async_loads and task.holds_blocks and self._on_load_thread()
+
+    def _on_load_thread(self) -> bool:
+        return getattr(self._role, "load_thread", False)
 
     def _held_get(self, task: _Task, batch: list[ChunkOp], regions: list[list[Region]]) -> list[Status]:
         """An async load's get straight into vLLM's blocks. If it overruns (the
@@ -1020,7 +1018,7 @@ class TransferEngine:
                 return timeout
             keys, regions = [op.key for op in batch], stager.stage_in(batch)
             watch = (self._watch.watching(time.monotonic() + left + GRACE_S, (task, batch, stager, lock))
-                     if self._watch is not None and getattr(self._role, "load_thread", False) else nullcontext())
+                     if self._watch is not None and self._on_load_thread() else nullcontext())
             with watch as watched:
                 call = self.guard.submit_get(keys, regions, left)
                 statuses = self.guard.result(call)
@@ -1085,7 +1083,7 @@ class TransferEngine:
             if task.after is not None:
                 task.after(batch, [Status.TIMEOUT] * len(batch))
         finally:
-            self._end_load(task)
+            self._end(task)
             if not self._stop.is_set():
                 self._start_thread("load")
 

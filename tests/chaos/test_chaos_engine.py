@@ -225,9 +225,12 @@ def _wait_for(pred, timeout_s: float = 10.0, what: str = "condition") -> None:
         time.sleep(0.005)
 
 
-def _load_async(eng: TransferEngine, req: str, dev: Device, chunks: list[int], timeout_s: float) -> set[int]:
-    """An async load as the connector makes it (the load thread); its failed blocks."""
-    eng.submit_load(req, ops(dev, chunks, KEYS), deadline=time.monotonic() + timeout_s)
+def _load_async(eng: TransferEngine, req: str, dev: Device, chunks: list[int], timeout_s: float,
+                holds_blocks: bool = False) -> set[int]:
+    """An async load as the connector makes it (the load thread); its failed blocks.
+    ``holds_blocks``: vLLM keeps the request's blocks until it is reported (what
+    ``direct_async_loads`` relies on)."""
+    eng.submit_load(req, ops(dev, chunks, KEYS), deadline=time.monotonic() + timeout_s, holds_blocks=holds_blocks)
     assert eng.wait("load", [req], 30.0), "an async load never finished"
     return eng.take_results().loaded[req]
 
@@ -469,14 +472,6 @@ def test_a_sync_load_queued_behind_a_given_up_get_moves_on_and_keeps_the_retired
 
 # -- async loads straight into vLLM's blocks (``direct_async_loads``) ------------------------
 
-def _load_held(eng: TransferEngine, req: str, dev: Device, chunks: list[int], timeout_s: float) -> set[int]:
-    """An async load as the connector makes it with ``direct_async_loads``: vLLM
-    keeps the request's blocks until it is reported."""
-    eng.submit_load(req, ops(dev, chunks, KEYS), deadline=time.monotonic() + timeout_s, holds_blocks=True)
-    assert eng.wait("load", [req], 30.0), "an async load never finished"
-    return eng.take_results().loaded[req]
-
-
 def _open_direct(timeout_s: float):
     be, guard, eng = open_engine(timeout_s=timeout_s, detaches=True)
     eng.direct_async_loads = True
@@ -502,7 +497,7 @@ def test_a_direct_async_load_is_reported_only_once_its_late_get_has_written():
         be.set_faults(hang_s={}, late_garbage=False)
         # A new load thread serves while the given-up get still hangs on the old one.
         dev2.wipe()
-        assert _load_held(eng, "r2", dev2, chunks, timeout) == set() and _wrong(dev2, chunks, set()) == 0
+        assert _load_async(eng, "r2", dev2, chunks, timeout, holds_blocks=True) == set() and _wrong(dev2, chunks, set()) == 0
         assert be.hanging == 1 and eng.pending("load", "r"), "r was reported while its get still hung"
         loaded: dict[str, set[int]] = {}
         _wait_for(lambda: loaded.update(eng.take_results().loaded) or "r" in loaded, what="r to be reported")
@@ -539,7 +534,7 @@ def test_direct_async_loads_racing_their_deadline_never_report_blocks_a_get_stil
             be.set_faults(hang_s={"get": hang}, late_garbage=bool(k % 2))
             dev = Device(8)
             dev.wipe()
-            failed = _load_held(eng, f"r{k}", dev, chunks, timeout)
+            failed = _load_async(eng, f"r{k}", dev, chunks, timeout, holds_blocks=True)
             assert be.hanging == 0 and be.quiescent(), f"round {k}: reported while its get ran (hang {hang:.3f} s)"
             assert failed in (set(), set(range(8))), failed
             assert _wrong(dev, chunks, failed) == 0, f"round {k}: hang {hang:.3f} s served wrong bytes"
@@ -582,7 +577,7 @@ def test_direct_async_loads_waiting_out_late_gets_are_bounded_then_fail_fast():
             _wait_for(lambda k=k: guard.metrics.totals()["load_held_late"] == k + 1, what=f"r{k} to be held")
         assert be.hanging == 4
         t0 = time.monotonic()
-        assert _load_held(eng, "r4", dev, chunks, 5.0) == set(range(8)), "a fifth stuck get was allowed"
+        assert _load_async(eng, "r4", dev, chunks, 5.0, holds_blocks=True) == set(range(8)), "a fifth stuck get was allowed"
         assert time.monotonic() - t0 < 2.5 and be.hanging == 4, "the fifth load made a call or waited"
         assert not eng.take_results().loaded, "a held load was reported while its get hung"
         be.set_faults(hang_s={})
@@ -591,7 +586,7 @@ def test_direct_async_loads_waiting_out_late_gets_are_bounded_then_fail_fast():
                   what="the held loads to be reported")
         assert all(f == set(range(8)) for f in loaded.values()) and be.hanging == 0
         dev.wipe()
-        assert _load_held(eng, "last", dev, chunks, timeout) == set() and _wrong(dev, chunks, set()) == 0
+        assert _load_async(eng, "last", dev, chunks, timeout, holds_blocks=True) == set() and _wrong(dev, chunks, set()) == 0
     finally:
         be.set_faults(hang_s={})
         eng.shutdown(timeout_s=2)
