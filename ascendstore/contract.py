@@ -68,6 +68,11 @@ class Capabilities:
     evicts: bool = False
     #: a put of an existing key replaces the value (False: the first value stays).
     overwrite_on_put: bool = True
+    #: a put of a key the store already holds is turned away before any byte
+    #: moves and answers OK (so ``overwrite_on_put`` is False). The engine then
+    #: leaves a save's dedup to the put instead of asking ``exists`` first: one
+    #: round trip to the store fewer per save.
+    dedups_puts: bool = False
     #: reads detect corrupted objects and report CORRUPT.
     detects_corruption: bool = False
     #: remove_prefix() is supported.

@@ -9,7 +9,9 @@
    ``mooncake_master`` on loopback (re-running itself in a private network
    namespace, as root) and compares against the worker's own client's zero-copy
    batch calls; it adds the connector's get as an async load makes it (on the
-   load thread) beside the sync load's (vLLM's forward thread), and skips part 2.
+   load thread) beside the sync load's (vLLM's forward thread), the async get
+   into vLLM's blocks (``direct_async_loads``), and the put with the exists the
+   engine asked before it until Mooncake declared ``dedups_puts``; it skips part 2.
 2. The connector's scheduler-side time per step divided by vLLM's schedule()
    time, with 256 running requests (real Scheduler; connector calls timed by
    wrapping them; CPU time of the scheduler's thread, since the harness runs the
@@ -158,9 +160,15 @@ def transfer_ratio(backend: str, num_chunks: int, rounds: int, blocks_per_chunk:
         # them cold after a copy.
         step: list[AscendStoreMetadata] = []
 
-        def prep_put() -> None:
+        dedups = w.engine.dedups_puts
+
+        def prep_put(exists_first: bool = False) -> None:
             clear()
-            step[:] = [AscendStoreMetadata(saves=[SaveSpec("bench", tenant, chunks)])]
+            # (a store whose put turns duplicates away, Mooncake, is asked no exists first
+            # unless the case says so: the same worker, the engine's flag switched per case)
+            w.engine.dedups_puts = dedups and not exists_first
+            # (chunks the step computed: no device prefix hit's re-save)
+            step[:] = [AscendStoreMetadata(saves=[SaveSpec("bench", tenant, chunks, computed=True)])]
 
         def stored() -> None:
             # Each get reads objects a put has just stored (a put's streaming stores
@@ -212,6 +220,9 @@ def transfer_ratio(backend: str, num_chunks: int, rounds: int, blocks_per_chunk:
             # direct_async_loads: the async get into vLLM's blocks, no landing buffer.
             cases["conn get async direct"] = timed(conn_get_async, lambda: prep_get_async(True))
             compared.append("get async direct")
+            # The save's exists before its put, as before Mooncake declared dedups_puts.
+            cases["conn put exists first"] = timed(conn_put, lambda: prep_put(True))
+            compared.append("put exists first")
         raw_put()
         s = interleave(cases, rounds)
         clear()

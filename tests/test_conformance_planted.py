@@ -444,6 +444,13 @@ class OverwriteIgnored(MemStore):
         return super()._write(key, data)
 
 
+class DedupClaimedButOverwrites(MemStore):
+    """Declares dedups_puts (the engine then asks no exists before a save) but a
+    second put replaces the value (its overwrite_on_put=True is consistent with that)."""
+
+    CAPS = dataclasses.replace(MemStore.CAPS, dedups_puts=True)
+
+
 class KeyLimitLie(MemStore):
     """Declares 128-byte keys but refuses anything over 100."""
 
@@ -655,6 +662,7 @@ PLANTED: dict[type[MemStore], set[str]] = {
     CorruptionUndetected: {"test_corruption_is_detected"},
     CrashesAfterClose: {"test_calls_after_close_are_unavailable"},
     OverwriteIgnored: {"test_duplicate_put_semantics_as_declared"},
+    DedupClaimedButOverwrites: {"test_duplicate_put_semantics_as_declared"},
     KeyLimitLie: {"test_key_length_limit"},
     # Prefix removal and listing: plain text, at the start, case-sensitive; "" is INVALID.
     PrefixAnywhere: {"test_remove_prefix_matches_only_at_the_start"},
@@ -709,6 +717,7 @@ MESSAGES: dict[type[MemStore], tuple[str, ...]] = {
     StatsRaiseAfterClose: ("client is closed",),
     IgnoresTimeout: ("over its timeout by",),
     PinIgnored: ("pinned objects were evicted within their",),
+    DedupClaimedButOverwrites: ("dedups_puts=True but a second put",),
 }
 #: words no failure of a bug may show (a message that would send the author the wrong way)
 MISLEADING: dict[type[MemStore], tuple[str, ...]] = {

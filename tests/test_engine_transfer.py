@@ -10,7 +10,7 @@ import pytest
 import torch
 from engine_helpers import MemBackend
 
-from ascendstore.contract import Region, Status
+from ascendstore.contract import Capabilities, Region, Status
 from ascendstore.engine import (
     BackendGuard,
     ChunkOp,
@@ -78,6 +78,52 @@ def test_save_skips_existing_and_load_reports_failed_blocks():
     failed = eng.load_now("r", ops_for(dst, 4, 16))
     assert failed == {2}
     assert dst[:16].tolist() == list(range(16)) and dst[48:].tolist() == list(range(48, 64))
+    eng.shutdown()
+
+
+class DedupBackend(MemBackend):
+    """A store that turns the put of a key it holds away (``dedups_puts``)."""
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(overwrite_on_put=False, dedups_puts=True)
+
+    def put(self, keys, regions, timeout_s):
+        self._enter("put", keys)
+        for k, regs in zip(keys, regions, strict=True):
+            self.data.setdefault(k, b"".join(ctypes.string_at(r.addr, r.length) for r in regs))
+        return [Status.OK] * len(keys)
+
+
+def test_a_store_that_dedups_its_puts_is_asked_no_exists_before_computed_chunks():
+    be = DedupBackend()
+    eng = TransferEngine(BackendGuard(be, 1.0))
+    assert eng.dedups_puts
+    src = torch.arange(64, dtype=torch.uint8)
+    be.data["k1"] = bytes(range(100, 116))
+    eng.submit_save("r", ops_for(src, 4, 16), computed=True)
+    assert eng.wait("save", ["r"], 5)
+    assert be.calls == [("put", ["k0", "k1", "k2", "k3"])], "one round trip: the put is the dedup"
+    assert be.data["k1"] == bytes(range(100, 116)) and be.data["k2"] == bytes(range(32, 48))
+    assert eng.metrics.totals()["save_skipped_existing"] == 0
+    # A device prefix hit's re-save (the pool usually holds it): asked first, and counted.
+    be.calls.clear()
+    be.data["d2"] = bytes(16)
+    eng.submit_save("d", ops_for(src, 4, 16, prefix="d"))
+    assert eng.wait("save", ["d"], 5)
+    assert be.calls == [("exists", ["d0", "d1", "d2", "d3"]), ("put", ["d0", "d1", "d3"])]
+    assert eng.metrics.totals()["save_skipped_existing"] == 1
+    # Layerwise saves still share one exists per step: a chunk stored with a layer
+    # missing is removed whole, so a task must know which layers it wrote itself.
+    from ascendstore.engine import SharedExists
+
+    be.calls.clear()
+    ops = ops_for(src, 4, 16, prefix="L")
+    shared = SharedExists([op.key for op in ops])
+    eng.submit_save("w", ops[:2], layer=0, shared_exists=shared)
+    eng.submit_save("w", ops[2:], layer=1, shared_exists=shared)
+    assert eng.wait("save", ["w"], 5)
+    assert [c[0] for c in be.calls] == ["exists", "put", "put"]
     eng.shutdown()
 
 

@@ -205,6 +205,9 @@ class _Task:
     before: Hook | None = None  # e.g. wait for the device to finish writing KV
     after: Callable[[list[ChunkOp], list[Status]], None] | None = None
     skip_existing: bool = True
+    #: save: every object was computed for this request (none came from a device
+    #: prefix hit), so the pool is unlikely to hold any (see ``_save_ops``).
+    computed: bool = False
     shared_exists: SharedExists | None = None
     #: monotonic time by which a load must be done: one per step, shared by all its loads.
     deadline: float | None = None
@@ -355,6 +358,8 @@ class TransferEngine:
         #: request unreported until it has ended (a hung client: up to its own
         #: 30-60 s, instead of the deadline, before the request recomputes).
         self.direct_async_loads = direct_async_loads
+        #: saves of computed chunks ask no exists first: the store's put turns away what it holds.
+        self.dedups_puts = bool(caps.dedups_puts)
         # One staging buffer per direction; sync loads share the load one.
         self._stage_locks = {"load": threading.Lock(), "save": threading.Lock()}
         self.metrics = guard.metrics
@@ -513,12 +518,15 @@ class TransferEngine:
         shared_exists: SharedExists | None = None,
         admitted: bool = False,
         inline: bool = False,
+        computed: bool = False,
     ) -> bool:
         """Queue a save; False if there was no room (the save is dropped, a future miss).
 
         ``admitted``: room was reserved with ``admit_save`` (layerwise: once for all layers).
         ``inline``: run it now on the calling thread (a small in-process copy costs
-        less than waking a transfer thread on a CPU whose cores spin in OpenMP)."""
+        less than waking a transfer thread on a CPU whose cores spin in OpenMP).
+        ``computed``: no object is a device prefix hit's, re-saved in case the pool
+        lost it; a store that turns duplicate puts away is then asked no exists."""
         nbytes = sum(op.nbytes for op in ops)
         if not admitted and not self.admit_save(1, nbytes):
             self.metrics.add(save_dropped_queue_full=len(ops))
@@ -526,7 +534,7 @@ class TransferEngine:
         # A save that cannot start within the timeout is dropped: its blocks go
         # back to vLLM promptly instead of waiting behind a slow store.
         task = _Task("save", req_id, list(ops), layer=layer, before=before, skip_existing=skip_existing,
-                     shared_exists=shared_exists, deadline=time.monotonic() + self.timeout_s, reserved=nbytes)
+                     computed=computed, shared_exists=shared_exists, deadline=time.monotonic() + self.timeout_s, reserved=nbytes)
         if inline:
             with self._lock:
                 self._pending["save"][req_id].append(task)
@@ -1175,7 +1183,13 @@ class TransferEngine:
             # Waited in the queue past the timeout: give the blocks back now.
             self.metrics.add(save_dropped_late=len(ops))
             return
-        if task.skip_existing and ops:
+        # A store that turns duplicate puts away itself (``dedups_puts``) is asked no
+        # exists before objects just computed: its put is the dedup, one round trip
+        # fewer. Still asked: before a device prefix hit's re-save (the pool holds
+        # those usually, and save_skipped_existing counts them right), and by
+        # layerwise saves (a chunk stored with a layer missing is removed whole,
+        # which needs to know which layers this task itself wrote).
+        if task.skip_existing and ops and not (self.dedups_puts and task.computed and task.shared_exists is None):
             if task.shared_exists is not None:
                 present = task.shared_exists.present(self.guard)
                 keep = [op for op in ops if op.key not in present] if present else ops

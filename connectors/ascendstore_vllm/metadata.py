@@ -42,6 +42,10 @@ class SaveSpec:
     #: >= 0: the scheduler pinned blocks vLLM may free mid-request (sliding
     #: window) for this save; workers report it done in AscendStoreWorkerMeta.
     pin: int = -1
+    #: every chunk was computed for this request, none is part of its device
+    #: prefix hit (re-saved in case the pool lost it): the pool is unlikely to
+    #: hold any, so a store whose put turns duplicates away is asked no exists.
+    computed: bool = False
 
 
 @dataclass

@@ -58,6 +58,9 @@ class _Tracker:
     #: from next_save_block and tail_saved_end; 0: unknown, ask it). Lets a step
     #: skip every running request that has no new full chunk without a call.
     save_at: int = 0
+    #: tokens of the request's device prefix hit (its chunks are re-saved in case
+    #: the pool lost them; those saves are not ``SaveSpec.computed``).
+    device_hit_tokens: int = 0
 
 
 class AscendStoreScheduler:
@@ -519,7 +522,9 @@ class AscendStoreScheduler:
             if not chunks:
                 return
         tr.saves_planned = True
-        meta.saves.append(SaveSpec(req.request_id, tr.tenant, chunks, pin))
+        first = bounds[chunks[0].index][0] if self.ctx.hybrid else chunks[0].index * bpc
+        computed = first * self.ctx.block_size >= tr.device_hit_tokens
+        meta.saves.append(SaveSpec(req.request_id, tr.tenant, chunks, pin, computed))
         if self.events is not None:  # (hybrid: one object per chunk and group, announced per group)
             self.events.planned(req, tr.tenant, chunks, bpc, bounds)
 
@@ -555,6 +560,7 @@ class AscendStoreScheduler:
         local = self._lookup_local.pop(tr.request.request_id, None)
         if local is None:
             return
+        tr.device_hit_tokens = max(tr.device_hit_tokens, local)
         m = self.metrics
         tenant = self._tenant_label("default" if tr.tenant == NO_TENANT else tr.tenant)
         m.add(prompt_tokens=tr.request.num_prompt_tokens)

@@ -464,7 +464,7 @@ class AscendStoreWorker:
             if skipped:
                 self.metrics.add(save_skipped_not_writer=skipped)
             if ops:
-                self.engine.submit_save(spec.req_id, ops, before=before, inline=inline)
+                self.engine.submit_save(spec.req_id, ops, before=before, inline=inline, computed=spec.computed)
 
     def _inline_saves(self, meta: AscendStoreMetadata) -> bool:
         """Save on the forward thread when that is cheaper than a hand-off: host KV

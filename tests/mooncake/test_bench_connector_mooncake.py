@@ -24,7 +24,7 @@ def test_bench_connector_mooncake_reports_put_and_every_get_per_row():
     assert len(res["transfer"]) == 4
     for row in res["transfer"]:
         assert set(row["gbps"]) == {"raw put", "conn put", "raw get", "conn get", "conn get async",
-                                    "conn get async direct"}
-        assert set(row["ratio"]) == {"put", "get", "get async", "get async direct"}
+                                    "conn get async direct", "conn put exists first"}
+        assert set(row["ratio"]) == {"put", "get", "get async", "get async direct", "put exists first"}
         for g in row["gbps"].values():
             assert 0 < g["min"] <= g["median"] <= g["max"]

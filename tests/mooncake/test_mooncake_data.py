@@ -47,6 +47,47 @@ def test_duplicate_put_keeps_first_value_as_declared(open_backend) -> None:
     assert np.array_equal(dst, first)
 
 
+def test_engine_saves_leave_dedup_to_the_put_and_keep_the_pooled_bytes(open_backend) -> None:
+    """dedups_puts: the master turns the put of a stored key away, so the engine's
+    saves of computed chunks ask no exists first; a chunk saved again keeps its
+    first bytes. A device prefix hit's re-save still asks (and counts the skips)."""
+    from ascendstore.engine import BackendGuard, ChunkOp, TransferEngine
+
+    b = open_backend()
+    assert b.capabilities.dedups_puts and not b.capabilities.overwrite_on_put
+    asked: list[list[str]] = []
+    exists = b.exists
+
+    def counted(keys, timeout_s):
+        asked.append(list(keys))
+        return exists(keys, timeout_s)
+
+    b.exists = counted
+    size = 65536
+    first, second = payload(5, 4 * size), payload(6, 4 * size)
+    eng = TransferEngine(BackendGuard(b, T))
+    try:
+        def save(req: str, src: np.ndarray, names: list[str], computed: bool = True) -> None:
+            ops = [ChunkOp(f"dedup/{n}", [region(src, i * size, size)], [i], i) for i, n in enumerate(names)]
+            assert eng.submit_save(req, ops, computed=computed) and eng.wait("save", [req], 30)
+
+        save("a", first, ["c0", "c1", "c2", "c3"])
+        save("b", second, ["c2", "c3", "c4", "c5"])  # two chunks the pool holds, two new ones
+        assert asked == [], "a save of computed chunks asked exists: the put is the dedup"
+        dst = np.zeros(6 * size, dtype=np.uint8)
+        keys = [f"dedup/c{i}" for i in range(6)]
+        assert b.get(keys, [[region(dst, i * size, size)] for i in range(6)], T) == [Status.OK] * 6
+        assert np.array_equal(dst[: 4 * size], first), "a chunk saved again lost its first bytes"
+        assert np.array_equal(dst[4 * size :], second[2 * size :])
+        m = eng.metrics.totals()
+        assert m["save_failures"] == 0 and m["save_skipped_existing"] == 0
+        save("c", second, ["c4", "c5"], computed=False)  # a device prefix hit's re-save
+        assert asked == [["dedup/c4", "dedup/c5"]]
+        assert eng.metrics.totals()["save_skipped_existing"] == 2
+    finally:
+        eng.shutdown()
+
+
 def test_wrong_sizes_and_bad_keys_are_invalid(open_backend) -> None:
     b = open_backend()
     src = payload(4, 4096)

@@ -77,3 +77,44 @@ def test_skipping_idle_requests_plans_the_same_saves(tmp_path, cfg):
         chunk = CONFIGS[cfg].get("chunk_size", BS)
         assert any((c[0] + 1) * chunk > prompt_len[r] for r, chunks in saves for c in chunks), \
             "decode saves chunks past the prompt"
+
+
+def test_saves_say_whether_they_re_save_a_device_prefix_hit(tmp_path):
+    """``SaveSpec.computed``: False only for the save that re-saves chunks of the
+    request's device prefix hit (the pool usually holds them: a store that turns
+    duplicate puts away is still asked exists first); the worker hands it on."""
+    eng = EngineHarness(EngineSpec(extra_config=pool_config(str(tmp_path)), max_num_batched_tokens=48,
+                                   max_model_len=512))
+    specs: list[tuple[str, int, bool]] = []
+    handed: list[tuple[str, bool]] = []
+    try:
+        sched = eng.connector.scheduler
+        build = sched._build_meta
+
+        def record(so):
+            meta = build(so)
+            specs.extend((s.req_id, s.chunks[0].index, s.computed) for s in meta.saves)
+            return meta
+
+        sched._build_meta = record
+        engine = eng.workers[0].connector.worker.engine
+        submit = engine.submit_save
+
+        def submitted(req_id, ops, **kw):
+            handed.append((req_id, kw.get("computed", False)))
+            return submit(req_id, ops, **kw)
+
+        engine.submit_save = submitted
+        prompt = [(11 * i + 5) % 983 for i in range(100)]  # 6 full blocks, prefilled 48 tokens a step
+        eng.add_request("cold", prompt)
+        eng.run()
+        eng.add_request("warm", prompt[:80] + [1, 2, 3])  # a device prefix hit of 5 blocks
+        eng.run()
+        cold = [s for s in specs if s[0] == "cold"]
+        warm = [s for s in specs if s[0] == "warm"]
+        assert len(cold) > 1 and all(c for _, _, c in cold), cold  # chunked prefill: every save computed
+        assert warm and warm[0][1:] == (0, False), warm  # the hit's chunks, from the first
+        assert all(c for _, _, c in warm[1:]), warm
+        assert handed == [(r, c) for r, _, c in specs], "the worker hands each save's flag to the engine"
+    finally:
+        eng.close()
