@@ -205,9 +205,6 @@ class _Task:
     before: Hook | None = None  # e.g. wait for the device to finish writing KV
     after: Callable[[list[ChunkOp], list[Status]], None] | None = None
     skip_existing: bool = True
-    #: save: every object was computed for this request (none came from a device
-    #: prefix hit), so the pool is unlikely to hold any (see ``_save_ops``).
-    computed: bool = False
     shared_exists: SharedExists | None = None
     #: monotonic time by which a load must be done: one per step, shared by all its loads.
     deadline: float | None = None
@@ -533,8 +530,16 @@ class TransferEngine:
             return False
         # A save that cannot start within the timeout is dropped: its blocks go
         # back to vLLM promptly instead of waiting behind a slow store.
+        # A store that turns duplicate puts away itself (``dedups_puts``) is asked no
+        # exists before objects just computed: its put is the dedup, one round trip
+        # fewer. Still asked: before a device prefix hit's re-save (the pool holds
+        # those usually, and save_skipped_existing counts them right), and by
+        # layerwise saves (a chunk stored with a layer missing is removed whole,
+        # which needs to know which layers this task itself wrote).
+        if computed and self.dedups_puts and shared_exists is None:
+            skip_existing = False
         task = _Task("save", req_id, list(ops), layer=layer, before=before, skip_existing=skip_existing,
-                     computed=computed, shared_exists=shared_exists, deadline=time.monotonic() + self.timeout_s, reserved=nbytes)
+                     shared_exists=shared_exists, deadline=time.monotonic() + self.timeout_s, reserved=nbytes)
         if inline:
             with self._lock:
                 self._pending["save"][req_id].append(task)
@@ -1183,13 +1188,7 @@ class TransferEngine:
             # Waited in the queue past the timeout: give the blocks back now.
             self.metrics.add(save_dropped_late=len(ops))
             return
-        # A store that turns duplicate puts away itself (``dedups_puts``) is asked no
-        # exists before objects just computed: its put is the dedup, one round trip
-        # fewer. Still asked: before a device prefix hit's re-save (the pool holds
-        # those usually, and save_skipped_existing counts them right), and by
-        # layerwise saves (a chunk stored with a layer missing is removed whole,
-        # which needs to know which layers this task itself wrote).
-        if task.skip_existing and ops and not (self.dedups_puts and task.computed and task.shared_exists is None):
+        if task.skip_existing and ops:
             if task.shared_exists is not None:
                 present = task.shared_exists.present(self.guard)
                 keep = [op for op in ops if op.key not in present] if present else ops
