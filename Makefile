@@ -109,6 +109,7 @@ bench: setup
 	$(PY) bench/bench_lookup.py
 	$(PY) bench/bench_mooncake.py
 	$(PY) bench/bench_release.py
+	$(PY) bench/bench_staging.py
 
 # Each microbenchmark twice; fails when a ratio's medians differ by more than 10%.
 BENCH_OUT ?= out/bench

@@ -7,11 +7,15 @@ torch does for ``cuda``.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import torch
 
 from ascendstore.contract import Region
+
+#: device views of regions kept (cleared when full): a few hundred bytes each, ~6 MB at most
+VIEW_CACHE_ENTRIES = 1 << 14
 
 
 class _NoEvent:
@@ -59,7 +63,7 @@ class HostStaging:
         self.device = first.device
         self._mod = torch.get_device_module(self.device)
         self.stream = self._mod.Stream(self.device) if self.device.type != "cpu" else None
-        # Flat byte views of every distinct backing allocation: addr -> (base, flat).
+        # Flat byte views of every distinct backing allocation, by address: (base, size, flat).
         self._storages: list[tuple[int, int, torch.Tensor]] = []
         seen = set()
         for t in kv_caches.values():
@@ -69,6 +73,12 @@ class HostStaging:
             seen.add(st.data_ptr())
             flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(st)
             self._storages.append((st.data_ptr(), st.nbytes(), flat))
+        self._storages.sort(key=lambda s: s[0])
+        self._bases = [base for base, _, _ in self._storages]
+        #: device views of regions already seen: vLLM reuses a bounded set of blocks (and
+        #: the worker a bounded set of region lists), so a region's view is built once,
+        #: not searched for and sliced on every copy (a few µs each, per region).
+        self._views: dict[tuple[int, int], torch.Tensor | None] = {}
         self.device_views = kv_caches
         self.capacity = capacity
         self.save_buf = _pinned(capacity)
@@ -85,10 +95,21 @@ class HostStaging:
         return [Region(b.data_ptr(), b.numel()) for b in (self.save_buf, self.load_buf)]
 
     def _device_slice(self, r: Region) -> torch.Tensor | None:
-        for base, size, flat in self._storages:
-            if base <= r.addr and r.addr + r.length <= base + size:
-                return flat[r.addr - base : r.addr - base + r.length]
-        return None  # e.g. the host scratch block: nothing to copy
+        key = (r.addr, r.length)
+        try:
+            return self._views[key]
+        except KeyError:
+            pass
+        view = None  # e.g. the host scratch block: nothing to copy
+        i = bisect.bisect_right(self._bases, r.addr) - 1
+        if i >= 0:
+            base, size, flat = self._storages[i]
+            if r.addr + r.length <= base + size:
+                view = flat[r.addr - base : r.addr - base + r.length]
+        if len(self._views) >= VIEW_CACHE_ENTRIES:
+            self._views.clear()
+        self._views[key] = view
+        return view
 
     def _host_layout(self, buf: torch.Tensor, ops: Sequence) -> list[list[Region]]:
         out, pos = [], 0
@@ -107,19 +128,32 @@ class HostStaging:
         return out
 
     def _copies(self, ops: Sequence, buf: torch.Tensor, to_host: bool, ok: Sequence[bool] | None = None) -> None:
+        # Python per region is what this costs beside the bytes (a 32-layer model with K
+        # and V apart has 64 regions per chunk): cached device views and every host view
+        # from one split of the buffer leave one copy call per region.
+        view = self._device_slice
+        devs: list[torch.Tensor | None] = []
+        lengths: list[int] = []
+        for i, op in enumerate(ops):
+            skip = ok is not None and not ok[i]
+            for r in op.regions:
+                lengths.append(r.length)
+                devs.append(None if skip else view(r))
+        if not lengths:
+            return
+        hosts = buf[: sum(lengths)].split(lengths)
+        dev_side = [d for d in devs if d is not None]
+        host_side = [h for d, h in zip(devs, hosts, strict=True) if d is not None]
+        if not dev_side:
+            return
         ctx = self._mod.stream(self.stream) if self.stream is not None else _null()
         with ctx:
-            pos = 0
-            for i, op in enumerate(ops):
-                for r in op.regions:
-                    dev = self._device_slice(r)
-                    if dev is not None and (ok is None or ok[i]):
-                        host = buf[pos : pos + r.length]
-                        if to_host:
-                            host.copy_(dev, non_blocking=True)
-                        else:
-                            dev.copy_(host, non_blocking=True)
-                    pos += r.length
+            if to_host:
+                for d, h in zip(dev_side, host_side, strict=True):
+                    h.copy_(d, non_blocking=True)
+            else:
+                for d, h in zip(dev_side, host_side, strict=True):
+                    d.copy_(h, non_blocking=True)
         if self.stream is not None:
             self.stream.synchronize()
 
