@@ -12,6 +12,9 @@
    load thread) beside the sync load's (vLLM's forward thread), the async get
    into vLLM's blocks (``direct_async_loads``), and the put with the exists the
    engine asked before it until Mooncake declared ``dedups_puts``; it skips part 2.
+   ``--segment remote`` (with ``BENCH_CLOCK=wall``) puts the objects in another
+   client's segment (a lender process; the worker's client lends none), so every
+   transfer crosses a TCP socket on loopback, as from another node's memory.
 2. The connector's scheduler-side time per step divided by vLLM's schedule()
    time, with 256 running requests (real Scheduler; connector calls timed by
    wrapping them; CPU time of the scheduler's thread, since the harness runs the
@@ -22,6 +25,7 @@
    not reproduce in the next run). Goal: <= 0.10.
 
     .venv/bin/python bench/bench_connector.py [--backend local|mooncake] [--quick] [--json]
+    BENCH_CLOCK=wall .venv/bin/python bench/bench_connector.py --backend mooncake --segment remote
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from harness import (
     stat,
     thread_clock,
 )
-from mooncake_master import ensure_private_netns, start_master
+from mooncake_master import ensure_private_netns, start_lender, start_master
 from rich.console import Console
 from rich.table import Table
 
@@ -60,6 +64,10 @@ from ascendstore.registry import create_backend
 app = typer.Typer(add_completion=False)
 #: the master's address for the Mooncake rows (main() starts it; fresh processes inherit it).
 MASTER_ENV = "_BENCH_CONNECTOR_MOONCAKE_MASTER"
+#: "remote": the worker's client lends no segment; its objects sit in a lender process's.
+SEGMENT_ENV = "_BENCH_CONNECTOR_MOONCAKE_SEGMENT"
+#: what the lender lends: the largest row's step (256 MiB) twice over, and room to spare
+LENDER_BYTES = 1 << 30
 
 
 def _backend_config(backend: str, capacity_mib: int) -> dict[str, Any]:
@@ -72,9 +80,11 @@ def _backend_config(backend: str, capacity_mib: int) -> dict[str, Any]:
                                                        "prefault": True}}
     if backend == "mooncake":
         # main() started the master (loopback, private namespace); fresh processes inherit this.
+        remote = os.environ.get(SEGMENT_ENV) == "remote"
         return {"backend": "mooncake", "backend_config": {
             "master_server_address": os.environ[MASTER_ENV], "local_hostname": "127.0.0.1",
-            "global_segment_size": capacity_mib << 20, "local_buffer_size": 16 << 20, "exists_cache_ttl_s": 0}}
+            "global_segment_size": 0 if remote else capacity_mib << 20, "local_buffer_size": 16 << 20,
+            "exists_cache_ttl_s": 0}}
     return {"backend": backend}
 
 
@@ -364,18 +374,30 @@ def _fmt(d: dict, digits: int = 2) -> str:
 @app.command()
 def main(backend: str = "local", quick: bool = False, as_json: bool = typer.Option(False, "--json"),
          rounds: int = typer.Option(0, help="interleaved rounds per process (0: 7, --quick: 3)"),
-         procs: int = typer.Option(0, help="fresh processes for the transfer rows (0: 5, --quick: 1)")) -> None:
+         procs: int = typer.Option(0, help="fresh processes for the transfer rows (0: 5, --quick: 1)"),
+         segment: str = typer.Option("own", help="mooncake: whose segment holds the objects, the worker's "
+                                     "client's own or another client's (remote: read across a socket)")) -> None:
     import torch
+
+    if segment not in ("own", "remote"):
+        raise typer.BadParameter(f"{segment!r}: use own or remote", param_hint="--segment")
+    if segment == "remote" and (backend != "mooncake" or CLOCK_NAME != "wall"):
+        # The lender's half of every transfer runs in its process: not this one's CPU time.
+        raise typer.BadParameter("remote is for --backend mooncake, timed by the wall clock (BENCH_CLOCK=wall)",
+                                 param_hint="--segment")
 
     torch.set_num_threads(1)  # no OpenMP workers spinning on the CPU clock between torch ops
     n = 64 if quick else 192
     rounds = rounds or (3 if quick else 7)
     procs = procs or (1 if quick else 5)
-    master = None
+    master = lender = None
     if backend == "mooncake":
         ensure_private_netns()
         os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
         master, os.environ[MASTER_ENV] = start_master()
+        os.environ[SEGMENT_ENV] = segment
+        if segment == "remote":
+            lender = start_lender(os.environ[MASTER_ENV], LENDER_BYTES)
     env0 = env_info()
     try:
         transfers = transfers_across(backend, n, rounds, procs)
@@ -385,19 +407,24 @@ def main(backend: str = "local", quick: bool = False, as_json: bool = typer.Opti
         # lookup through another backend is that backend's exists (bench_lookup.py).
         s = scheduler_ratio(backend, 256, 35, 3 if quick else 24, 1 if quick else 8) if backend == "local" else None
     finally:
+        if lender is not None:
+            lender.kill()
+            lender.wait()
         if master is not None:
             master.kill()
             master.wait()
     out = {"transfer": transfers, "scheduler": s, "rounds": rounds, "processes": procs, "env_before": env0,
-           "env_after": env_info()}
+           "env_after": env_info(), "segment": segment if backend == "mooncake" else None, "clock": CLOCK_NAME}
     if as_json:
         print(json.dumps(out, indent=2))
         return
     c = Console(width=160)
     over = (f"the median of {procs} fresh processes' medians (min..max across them), {rounds} interleaved rounds "
             "each" if procs > 1 else f"median (min..max) over {rounds} interleaved rounds")
-    tab = Table(title=f"connector path vs raw {backend} client, same objects and regions; GB/s and ratio (per "
-                f"round): {over}")
+    where = f" (objects in {'another client' if segment == 'remote' else 'its own'}'s segment)" \
+        if backend == "mooncake" else ""
+    tab = Table(title=f"connector path vs raw {backend} client{where}, same objects and regions; GB/s and ratio "
+                f"(per round, {CLOCK_NAME} clock): {over}")
     for col in ("op", "objects", "connector GB/s", "raw GB/s", "ratio (goal >= 0.9)"):
         tab.add_column(col)
     for t in transfers:

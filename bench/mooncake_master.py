@@ -60,3 +60,28 @@ def start_master() -> tuple[subprocess.Popen[bytes], str]:
         time.sleep(0.02)
     proc.kill()
     raise RuntimeError("mooncake_master did not open its port within 10 s")
+
+
+_LENDER = """
+import sys
+from ascendstore.contract import BackendContext
+from ascendstore.registry import create_backend
+b = create_backend("mooncake", {{"master_server_address": {address!r}, "local_hostname": "127.0.0.1",
+                   "global_segment_size": {size}, "local_buffer_size": 16 << 20}}, BackendContext(role="worker"))
+print("ready", flush=True)
+sys.stdin.read()  # until the parent closes it (or dies)
+b.close()
+"""
+
+
+def start_lender(address: str, size: int) -> subprocess.Popen[str]:
+    """Another Mooncake client, in a process of its own, lending ``size`` bytes of
+    segment: a client that lends none puts its objects there and reads them across
+    a TCP socket (loopback), as from another node's memory. Close its stdin to stop it."""
+    proc = subprocess.Popen([sys.executable, "-c", _LENDER.format(address=address, size=size)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != "ready":
+        proc.kill()
+        raise RuntimeError(f"the lending Mooncake client did not start (exit {proc.wait()})")
+    return proc

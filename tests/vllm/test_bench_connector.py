@@ -32,3 +32,12 @@ def test_bench_connector_quick_reports_every_figure():
     # One ratio per engine instance; each is connector time over schedule() time.
     assert s["ratio"]["n"] == 3 and 0 < s["ratio"]["min"] <= s["ratio"]["median"] <= s["ratio"]["max"] < 1
     assert 0 < s["connector_ms"] < s["schedule_ms"]
+
+
+def test_bench_connector_remote_segment_needs_mooncake_and_the_wall_clock():
+    for args, clock in ((["--backend", "mooncake", "--segment", "remote"], "cpu"),
+                        (["--segment", "remote"], "wall"), (["--backend", "mooncake", "--segment", "far"], "wall")):
+        out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_connector.py"), *args, "--quick"],
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "BENCH_CLOCK": clock})
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        assert "--segment" in out.stderr, out.stderr
