@@ -6,7 +6,9 @@ engine processes inherit sys.path, so they find it through the same entry point.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -59,3 +61,13 @@ def pool(request, tmp_path):
     root = tmp_path / "pool"
     root.mkdir()
     return lambda **extra: pool_config(str(root), **extra)
+
+
+def run_bench(script: str, *args: str, **env: str) -> dict:
+    """The JSON a script under bench/ prints with ``--json`` (CPU clock unless ``env`` says)."""
+    out = subprocess.run(
+        [sys.executable, str(HERE.parents[1] / "bench" / script), *args, "--json"],
+        capture_output=True, text=True, timeout=300, check=True,
+        env={**os.environ, "BENCH_CLOCK": "cpu", **env},
+    )
+    return json.loads(out.stdout)

@@ -1,25 +1,18 @@
 """bench/bench_connector.py runs and reports every figure it promises (speed itself
 is never asserted in tests: the numbers are for people to read)."""
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from conftest import run_bench
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_connector_quick_reports_every_figure():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_connector.py"), "--quick", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "BENCH_CLOCK": "cpu"},
-        check=True,
-    )
-    res = json.loads(out.stdout)
+    res = run_bench("bench_connector.py", "--quick")
     assert len(res["transfer"]) == 4
     for t in res["transfer"]:
         for op in ("put", "get"):

@@ -2,25 +2,11 @@
 never asserted: the numbers are for people to read); it checks on its own that the
 staged copies and the reference per-region copies fill the buffer alike."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from conftest import run_bench
 
 
 def test_bench_staging_reports_every_figure():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_staging.py"), "--rounds", "1", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "BENCH_CLOCK": "cpu"},
-        check=True,
-    )
-    res = json.loads(out.stdout)
+    res = run_bench("bench_staging.py", "--rounds", "1")
     rows = res["rows"]
     assert [(r["block_size"], r["blocks_per_chunk"], r["scattered"]) for r in rows] == [
         (16, 1, False), (16, 16, False), (16, 16, True), (128, 1, False)]
