@@ -396,10 +396,10 @@ def main(backend: str = "local", quick: bool = False, as_json: bool = typer.Opti
         os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
         master, os.environ[MASTER_ENV] = start_master()
         os.environ[SEGMENT_ENV] = segment
-        if segment == "remote":
-            lender = start_lender(os.environ[MASTER_ENV], LENDER_BYTES)
     env0 = env_info()
     try:
+        if segment == "remote":
+            lender = start_lender(os.environ[MASTER_ENV], LENDER_BYTES)
         transfers = transfers_across(backend, n, rounds, procs)
         # 3 warm-up steps + two 16-step chunk periods per engine; 24 engines in 8 processes (3 in
         # this one with --quick): per-engine levels differ by up to 2x on this VM (~30 us of work

@@ -77,7 +77,8 @@ b.close()
 def start_lender(address: str, size: int) -> subprocess.Popen[str]:
     """Another Mooncake client, in a process of its own, lending ``size`` bytes of
     segment: a client that lends none puts its objects there and reads them across
-    a TCP socket (loopback), as from another node's memory. Close its stdin to stop it."""
+    a TCP socket (loopback), as from another node's memory. Kill it when done (or close
+    its stdin)."""
     proc = subprocess.Popen([sys.executable, "-c", _LENDER.format(address=address, size=size)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
