@@ -50,7 +50,8 @@ def main(objects: int = 64, steps: int = 40, flush_mib: int = 96) -> None:
     torch.set_num_threads(1)
     extra = {**_backend_config("local", (objects // 2 + 64) * 3 // 2), "chunk_size": 16}
     spec = EngineSpec(extra_config=extra, num_layers=8, num_heads=8, num_kv_heads=8, head_size=128,
-                      block_size=16, num_blocks=objects + 8, max_model_len=1024)
+                      # vLLM refuses an engine whose cache cannot hold one max_model_len request (64 blocks)
+                      block_size=16, num_blocks=max(objects, 1024 // 16) + 8, max_model_len=1024)
     eng = EngineHarness(spec, check_reads=False)
     try:
         w = eng.workers[0].connector.worker
