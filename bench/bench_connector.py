@@ -47,8 +47,8 @@ from harness import (
     CLOCK_NAME,
     Stat,
     across_processes,
-    clock,
     env_info,
+    gbps_sampler,
     interleave,
     ratios,
     stat,
@@ -152,17 +152,7 @@ def transfer_ratio(backend: str, num_chunks: int, rounds: int, blocks_per_chunk:
                 assert raw.get(keys, regions, 30.0) == [Status.OK] * len(keys)
 
         def timed(fn: Callable[[], None], before: Callable[[], None] | None = None) -> Callable[[], float]:
-            def sample() -> float:  # GB/s: median of 3 calls (each call moves every object once)
-                ts = []
-                for _ in range(3):
-                    if before:
-                        before()
-                    t0 = clock()
-                    fn()
-                    ts.append(clock() - t0)
-                return nbytes / statistics.median(ts) / 1e9
-
-            return sample
+            return gbps_sampler(fn, nbytes, before)  # (each call moves every object once)
 
         # The step's metadata is the scheduler's work (another process in vLLM), as
         # the raw client's key and region lists are prebuilt: made before the timing.

@@ -29,21 +29,18 @@ churn), and of one 128-token block.
 from __future__ import annotations
 
 import json
-import statistics
 import uuid
-from collections.abc import Callable
 
 import torch
 import typer
 from ascendstore_vllm.metadata import ChunkRef, SaveSpec
 from ascendstore_vllm.testing import EngineHarness, EngineSpec
 from ascendstore_vllm.worker import AscendStoreWorker
-from harness import Stat, clock, env_info, interleave, ratios, stat
+from harness import Stat, env_info, gbps_sampler, interleave, ratios, stat
 from rich.console import Console
 from rich.table import Table
 
 app = typer.Typer(add_completion=False)
-MiB = 1 << 20
 
 
 def _per_region(staging, ops, buf: torch.Tensor, to_host: bool) -> None:
@@ -100,24 +97,13 @@ def _measure(block_size: int, bpc: int, chunks: int, stride: int, rounds: int) -
         assert torch.equal(first, st.save_buf[:nbytes])
         st.load_buf[:nbytes].copy_(first)
 
-        def timed(fn: Callable[[], None]) -> Callable[[], float]:
-            def sample() -> float:  # GB/s: median of 3 calls
-                ts = []
-                for _ in range(3):
-                    t0 = clock()
-                    fn()
-                    ts.append(clock() - t0)
-                return nbytes / statistics.median(ts) / 1e9
-
-            return sample
-
-        cases = {
-            "save one copy": timed(lambda: dst.copy_(src)),
-            "save staged": timed(lambda: st.stage_out(ops)),
-            "save per region": timed(lambda: _per_region(st, ops, st.save_buf, True)),
-            "load one copy": timed(lambda: src.copy_(dst)),
-            "load staged": timed(lambda: st.commit_in(ops, ok)),
-            "load per region": timed(lambda: _per_region(st, ops, st.load_buf, False)),
+        cases = {  # GB/s, each sample the median of 3 calls
+            "save one copy": gbps_sampler(lambda: dst.copy_(src), nbytes),
+            "save staged": gbps_sampler(lambda: st.stage_out(ops), nbytes),
+            "save per region": gbps_sampler(lambda: _per_region(st, ops, st.save_buf, True), nbytes),
+            "load one copy": gbps_sampler(lambda: src.copy_(dst), nbytes),
+            "load staged": gbps_sampler(lambda: st.commit_in(ops, ok), nbytes),
+            "load per region": gbps_sampler(lambda: _per_region(st, ops, st.load_buf, False), nbytes),
         }
         s = interleave(cases, rounds)
         out: dict = {"gbps": {k: stat(v).as_dict() for k, v in s.items()}, "ratio": {}}

@@ -98,6 +98,24 @@ def rate(fn: Callable[[], int], min_s: float) -> float:
             return done / dt
 
 
+def gbps_sampler(fn: Callable[[], object], nbytes: int, before: Callable[[], object] | None = None,
+                 calls: int = 3) -> Callable[[], float]:
+    """A case for ``interleave``: GB/s of ``fn`` (which moves ``nbytes``), the median of
+    ``calls`` timed calls, each after an untimed ``before``."""
+
+    def sample() -> float:
+        ts = []
+        for _ in range(calls):
+            if before is not None:
+                before()
+            t0 = clock()
+            fn()
+            ts.append(clock() - t0)
+        return nbytes / statistics.median(ts) / 1e9
+
+    return sample
+
+
 def per_call_us(fn: Callable[[], object], calls: int) -> float:
     """Median microseconds of ``calls`` back-to-back calls of ``fn``."""
     out = []
