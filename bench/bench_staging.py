@@ -66,13 +66,13 @@ def _measure(block_size: int, bpc: int, chunks: int, stride: int, rounds: int) -
     nblocks = chunks * bpc * stride + 8
     cfg = {"backend": "local", "backend_config": {"name": f"stg-{uuid.uuid4().hex[:8]}", "capacity": "64MiB"},
            "chunk_size": block_size * bpc, "staging_buffer_bytes": "512MiB"}
-    AscendStoreWorker.force_staging = True
+    AscendStoreWorker.treat_kv_as_device = True
     try:
         eng = EngineHarness(EngineSpec(extra_config=cfg, num_layers=8, num_heads=8, num_kv_heads=8, head_size=128,
                                        block_size=block_size, num_blocks=nblocks, max_model_len=1024),
                             check_reads=False)
     finally:
-        AscendStoreWorker.force_staging = False
+        AscendStoreWorker.treat_kv_as_device = False
     try:
         w = eng.workers[0].connector.worker
         st = w.staging

@@ -117,6 +117,10 @@ class FaultyOptions(BackendOptions):
         False, description="hang like a client behind a hand-off of its own (Mooncake): on the caller's thread only "
         "when the engine watches it, else on a thread of the wrapper, answering TIMEOUT at timeout_s"
     )
+    device_memory: Bool = Field(
+        False, description="declare that the wrapped backend reads and writes device memory (with CPU tensors taken "
+        "for device KV, a stand-in for Mooncake over rdma/ascend or MemCache's device pool)"
+    )
     down: Bool = Field(False, description="every call reports UNAVAILABLE")
     health_status: Literal["OK", "UNAVAILABLE", "TIMEOUT"] | None = Field(
         None, description="health() reports this whatever the truth (a lying health check); None: the truth"
@@ -405,10 +409,13 @@ class FaultyBackend(Backend):
     @property
     def capabilities(self) -> Capabilities:
         # It may be told to hang at any time: never let the engine trust it with vLLM's blocks.
+        caps = self.inner.capabilities
+        if self.options.device_memory:
+            caps = dataclasses.replace(caps, device_memory=True)
         if self.options.detaches:
             # Bounded by its own hand-off, except for watched callers (the engine watches those).
-            return dataclasses.replace(self.inner.capabilities, bounded_calls=True, detaches_calls=True)
-        return dataclasses.replace(self.inner.capabilities, bounded_calls=False)
+            return dataclasses.replace(caps, bounded_calls=True, detaches_calls=True)
+        return dataclasses.replace(caps, bounded_calls=False)
 
     def quiescent(self) -> bool:
         return self._detached == 0 and self.inner.quiescent()

@@ -345,12 +345,13 @@ class TransferEngine:
     ) -> None:
         self.guard = guard
         self.stager = stager
-        # Landing buffer for loads when the backend may write after its deadline
-        # and there is no device stager (host KV).
         caps = guard.capabilities
         self._registers = bool(caps.needs_registration or caps.zero_copy)
-        self._bounce = None if guard.direct else HostBounce(PIPELINE_BYTES, self._register)
-        #: Async loads (``holds_blocks``) of host KV skip the landing buffer and its
+        #: Where loads land when the backend may write after its deadline and there
+        #: is no device stager: host memory here (host KV); the connector puts one
+        #: on the device instead for device KV that the backend reads (``use_landing``).
+        self.landing: Stager | None = None if guard.direct else HostBounce(PIPELINE_BYTES, self.register_buffer)
+        #: Async loads (``holds_blocks``) skip the landing buffer and its
         #: copy: their gets write vLLM's blocks, and one that overran holds its
         #: request unreported until it has ended (a hung client: up to its own
         #: 30-60 s, instead of the deadline, before the request recomputes).
@@ -789,7 +790,13 @@ class TransferEngine:
                      t.req_id)
             self._finish(t)
 
-    def _register(self, region: Region) -> None:
+    def use_landing(self, make: Callable[[Callable[[Region], None]], Stager]) -> None:
+        """Loads land in ``make(register_buffer)`` instead of host memory (device KV
+        that the backend reads directly); nothing changes where they need no landing."""
+        if self.landing is not None:
+            self.landing = make(self.register_buffer)
+
+    def register_buffer(self, region: Region) -> None:
         """Landing and staging buffers the engine allocates are registered like
         vLLM's KV when the backend reads or writes registered memory (RDMA)."""
         if self._registers:
@@ -802,7 +809,7 @@ class TransferEngine:
             self._retired.append((old, release))
         self.metrics.add(load_buffers_retired=1)
         if region is not None:
-            self._register(region)
+            self.register_buffer(region)
 
     def _landing_full(self) -> bool:
         self._reap()
@@ -915,7 +922,7 @@ class TransferEngine:
 
     def _load_stager(self) -> Stager | None:
         """Where gets land: vLLM's blocks (None), the device stager, or the bounce buffer."""
-        return self.stager or self._bounce
+        return self.stager or self.landing
 
     def _batch_limit(self, task: _Task, pipelined: bool, stager: Stager | None) -> tuple[int, int]:
         limits = [x for x in (self.max_inflight_bytes, stager.capacity if stager else 0,
@@ -936,7 +943,7 @@ class TransferEngine:
         # or for an async load (its blocks stay vLLM's loan until it is reported)
         # when told so; overlapped on a guard thread unless the backend runs
         # inline (a hand-off costs more than the overlap gains for an in-process copy).
-        held_direct = stager is not None and stager is self._bounce and self._holds_direct(task)
+        held_direct = stager is not None and stager is self.landing and self._holds_direct(task)
         if held_direct:
             stager = None
         pipelined = stager is None and not self.guard.inline

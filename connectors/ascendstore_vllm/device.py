@@ -8,11 +8,14 @@ torch does for ``cuda``.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ascendstore.contract import Region
+
+log = logging.getLogger(__name__)
 
 #: device views of regions kept (cleared when full): a few hundred bytes each, ~6 MB at most
 VIEW_CACHE_ENTRIES = 1 << 14
@@ -58,7 +61,7 @@ class HostStaging:
     fit. Device regions are byte ranges of vLLM's KV allocation (all layers are
     views into one buffer), copied with the device's own side stream."""
 
-    def __init__(self, kv_caches: dict[str, torch.Tensor], capacity: int) -> None:
+    def __init__(self, kv_caches: dict[str, torch.Tensor], capacity: int, buffers: bool = True) -> None:
         first = next(iter(kv_caches.values()))
         self.device = first.device
         self._mod = torch.get_device_module(self.device)
@@ -81,8 +84,12 @@ class HostStaging:
         self._views: dict[tuple[int, int], torch.Tensor | None] = {}
         self.device_views = kv_caches
         self.capacity = capacity
-        self.save_buf = _pinned(capacity)
-        self.load_buf = _pinned(capacity)
+        if buffers:
+            self.save_buf = self._alloc(capacity)
+            self.load_buf = self._alloc(capacity)
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        return _pinned(nbytes)
 
     # -- GR user objects (ascendstore_vllm.gr.staging) ---------------------------------
     def copy_regions(self, regions: Sequence[Region], host: torch.Tensor, to_host: bool) -> None:
@@ -119,7 +126,7 @@ class HostStaging:
         if pos > buf.numel():
             # One object larger than the buffer (the engine cuts batches to capacity,
             # never below one object): grow rather than fail the transfer.
-            grown = _pinned(pos)
+            grown = self._alloc(pos)
             if buf is self.save_buf:
                 self.save_buf = grown
             else:
@@ -173,12 +180,65 @@ class HostStaging:
         """A call that overran still uses one buffer: give it to the engine to keep
         alive until the call ends, and carry on with a fresh pinned one."""
         if direction == "load":
-            old, self.load_buf = self.load_buf, _pinned(self.capacity)
+            old, self.load_buf = self.load_buf, self._alloc(self.capacity)
             new = self.load_buf
         else:
-            old, self.save_buf = self.save_buf, _pinned(self.capacity)
+            old, self.save_buf = self.save_buf, self._alloc(self.capacity)
             new = self.save_buf
         return old, Region(new.data_ptr(), new.numel())
+
+
+class DeviceLanding(HostStaging):
+    """Where loads land for device KV and a backend that reads device memory
+    (Mooncake over rdma/ascend, MemCache's device pool) but whose calls may
+    outlive their deadline: a connector-owned buffer on the KV's own device, so
+    a get that overran writes there and never into blocks vLLM has taken back,
+    and what arrived in time goes on into the blocks as device-to-device copies
+    (an ``ascendstore.engine.Stager`` for loads only; puts read the blocks).
+
+    The core's host landing buffer would not do: its copy out is a host memmove,
+    and device addresses are not host memory. Allocated on first use (async
+    loads with ``direct_async_loads`` never land) and registered with the
+    backend through ``on_alloc``; if the device has no room left beside vLLM's
+    KV cache, pinned host memory instead (correct, slower: a copy to the device)."""
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], capacity: int,
+                 on_alloc: Callable[[Region], None] | None = None) -> None:
+        super().__init__(kv_caches, capacity, buffers=False)
+        self._on_alloc = on_alloc
+        self.save_buf = None
+        self.load_buf: torch.Tensor | None = None
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        try:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        except RuntimeError as exc:  # torch.OutOfMemoryError is one
+            log.warning("no room on %s for a %d-byte landing buffer (%s); loads land in pinned host memory",
+                        self.device, nbytes, exc)
+            buf = _pinned(nbytes)
+        if self._on_alloc is not None:
+            self._on_alloc(Region(buf.data_ptr(), buf.numel()))
+        return buf
+
+    def host_regions(self) -> list[Region]:
+        return [] if self.load_buf is None else [Region(self.load_buf.data_ptr(), self.load_buf.numel())]
+
+    def stage_out(self, ops: Sequence) -> list[list[Region]]:
+        raise NotImplementedError("puts read vLLM's blocks directly")
+
+    def stage_in(self, ops: Sequence) -> list[list[Region]]:
+        if self.load_buf is None:
+            self.load_buf = self._alloc(max(self.capacity, sum(op.nbytes for op in ops)))
+        return self._host_layout(self.load_buf, ops)
+
+    def commit_in(self, ops: Sequence, ok: Sequence[bool]) -> None:
+        assert self.load_buf is not None
+        super().commit_in(ops, ok)
+
+    def detach(self, direction: str) -> tuple[object, Region | None]:
+        """A get that overran still writes the buffer: hand it over; the next load allocates (and registers) anew."""
+        old, self.load_buf = self.load_buf, None
+        return old, None
 
 
 class _Op:

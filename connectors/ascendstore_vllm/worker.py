@@ -23,9 +23,10 @@ from ascendstore.engine import (
 )
 from ascendstore.engine.health import attach_health
 from ascendstore.engine.metrics import lookup_load_miss_counter
+from ascendstore.engine.transfer import PIPELINE_BYTES
 from ascendstore.registry import create_backend
 from ascendstore_vllm.context import ConnectorContext
-from ascendstore_vllm.device import DeviceSync, HostStaging
+from ascendstore_vllm.device import DeviceLanding, DeviceSync, HostStaging
 from ascendstore_vllm.groups import expand_state_caches
 from ascendstore_vllm.lookup_rpc import LookupServer
 from ascendstore_vllm.metadata import AscendStoreMetadata, AscendStoreWorkerMeta, LoadSpec, SaveSpec
@@ -71,8 +72,9 @@ def _local_rank(fallback: int) -> int:
 
 
 class AscendStoreWorker:
-    #: stage through host buffers even for CPU KV (tests exercise the device path with it).
-    force_staging = False
+    #: take CPU KV for device KV (tests and bench/bench_staging.py run the device
+    #: paths with it: host staging, or the device landing buffer).
+    treat_kv_as_device = False
 
     def __init__(self, ctx: ConnectorContext) -> None:
         self.ctx = ctx
@@ -176,10 +178,15 @@ class AscendStoreWorker:
         device = tensors[0].device
         caps = self.guard.capabilities
         self.sync = DeviceSync(device)
-        if (device.type != "cpu" or self.force_staging) and not caps.device_memory:
+        on_device = device.type != "cpu" or self.treat_kv_as_device
+        if on_device and not caps.device_memory:
             # The backend cannot read device memory: go through pinned host buffers, in batches.
             self.staging = HostStaging(kv_caches, self.ctx.config.staging_buffer_bytes)
             self.engine.stager = self.staging
+        elif on_device:
+            # It reads device memory, but a get that overran may still write: loads that
+            # need a landing buffer get one on the device (the core's is host memory).
+            self.engine.use_landing(lambda register: DeviceLanding(kv_caches, PIPELINE_BYTES, register))
         self.layout = KVLayout(
             [
                 LayerSpan.from_view(name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size())

@@ -504,7 +504,7 @@ def test_a_direct_async_load_is_reported_only_once_its_late_get_has_written():
         assert be.injected["late_garbage"] == 1, "reported before the late get had written its blocks"
         assert loaded["r"] == set(range(8)), "the given-up load's blocks must all be recomputed"
         assert (dev.buf == 0xA5).any(), "the late get did not write the held blocks: no landing buffer in between"
-        assert eng._bounce is not None and eng._bounce.region() is None, "the landing buffer was used"
+        assert eng.landing is not None and eng.landing.region() is None, "the landing buffer was used"
         m = guard.metrics.totals()
         assert m["loads_abandoned"] == 1 and m["load_held_late"] == 1 and m["load_buffers_retired"] == 0
         _wait_for(lambda: len([t for t in eng._threads if t.is_alive() and t.name.endswith("-load")]) == 1,
@@ -547,7 +547,7 @@ def test_direct_async_loads_racing_their_deadline_never_report_blocks_a_get_stil
         sdev = Device(8)
         sdev.wipe()
         assert eng.load_now("s", ops(sdev, chunks, KEYS)) == set() and _wrong(sdev, chunks, set()) == 0
-        assert eng._bounce is not None and eng._bounce.region() is not None, "sync loads keep the landing buffer"
+        assert eng.landing is not None and eng.landing.region() is not None, "sync loads keep the landing buffer"
         time.sleep(3 * timeout)
         assert all(_wrong(d, chunks, set()) == 0 for d in devs), "a block was written after its load was reported"
         m = guard.metrics.totals()

@@ -36,6 +36,11 @@ MODES = {"sync": {}, "async": {"load_async": True}, "layerwise": {"use_layerwise
 #: engine's load thread itself, which the engine's watchdog gives up on (async,
 #: layerwise), or behind the client's own hand-off (sync loads, vLLM's thread).
 DETACHING = {f"{m}-detaches": {**kw, "detaches": True} for m, kw in MODES.items()}
+#: the same with KV "on a device" the backend reads (Mooncake over rdma/ascend,
+#: MemCache's device pool): CPU tensors stand in for device memory, so a host
+#: copy into them would not crash here as it would on an NPU; ``scatter`` (the
+#: host landing buffer's copy out) is made to fail the test instead.
+DEVICE = {f"{m}-device": {**kw, "detaches": True, "device_memory": True} for m, kw in MODES.items()}
 
 
 def _set(**changes) -> None:
@@ -101,11 +106,20 @@ def _read_errors(eng: EngineHarness, tags: tuple[str, ...] = ()) -> list:
     return [e for e in eng.read_errors() if not tags or e[0].startswith(tags)]
 
 
-@pytest.mark.parametrize("mode", [*MODES, *DETACHING])
-def test_late_get_never_writes_vllm_blocks(mode):
+@pytest.mark.parametrize("mode", [*MODES, *DETACHING, *DEVICE])
+def test_late_get_never_writes_vllm_blocks(mode, monkeypatch):
     """Loads time out, the hung gets later write garbage: vLLM's blocks never see it."""
+    host_copies: list[int] = []
+    if mode in DEVICE:
+        from ascendstore_vllm.worker import AscendStoreWorker
+
+        from ascendstore.engine import transfer
+
+        monkeypatch.setattr(AscendStoreWorker, "treat_kv_as_device", True)
+        real_scatter = transfer.scatter
+        monkeypatch.setattr(transfer, "scatter", lambda *a: (host_copies.append(1), real_scatter(*a)))
     name = pool_name("own-get")
-    extra = faulty_extra(name, checksum=False, timeout_ms=TIMEOUT_MS, **{**MODES, **DETACHING}[mode])
+    extra = faulty_extra(name, checksum=False, timeout_ms=TIMEOUT_MS, **{**MODES, **DETACHING, **DEVICE}[mode])
     eng = EngineHarness(EngineSpec(extra_config=extra, num_blocks=96))
     try:
         ps = prompts(4, seed=11)
@@ -128,6 +142,12 @@ def test_late_get_never_writes_vllm_blocks(mode):
             assert stats.get("loads_abandoned", 0) >= 1, "no load thread's get was given up on"
         elif mode == "sync-detaches":
             assert sum(b.injected["detached"] for b in live_backends()) >= 1
+        if mode in DEVICE:
+            from ascendstore_vllm.device import DeviceLanding
+
+            assert host_copies == [], "a load was copied into device KV by a host memmove"
+            assert all(isinstance(w.engine.landing, DeviceLanding) for w in _workers(eng))
+            assert stats.get("load_buffers_retired", 0) >= 1, "no load landed in the device buffer"
         report(f"ownership_late_get_{mode}", late_writes=injected, reuse_rounds=k,
                retired=stats.get("load_buffers_retired", 0), timeouts=stats.get("timeouts", 0),
                abandoned=stats.get("loads_abandoned", 0))

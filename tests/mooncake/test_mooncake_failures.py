@@ -295,7 +295,7 @@ def test_direct_async_loads_over_a_stopped_master_stay_unreported_until_the_nati
             assert time.monotonic() < deadline
             time.sleep(0.2)
         assert np.array_equal(kv, data)
-        assert eng._bounce is not None and eng._bounce.region() is None, "an async load used the landing buffer"
+        assert eng.landing is not None and eng.landing.region() is None, "an async load used the landing buffer"
     finally:
         eng.shutdown(timeout_s=2)
         guard.close()

@@ -1,4 +1,5 @@
-"""HostStaging's copies between device KV and its host buffers, byte for byte.
+"""HostStaging's copies between device KV and its host buffers, and
+DeviceLanding's from its device buffer into the KV, byte for byte.
 
 CPU tensors stand in for device memory (the copies are device-generic torch).
 The expected bytes are computed independently, from the regions' addresses,
@@ -13,7 +14,7 @@ import random
 import pytest
 import torch
 from ascendstore_vllm import device
-from ascendstore_vllm.device import HostStaging, _Op
+from ascendstore_vllm.device import DeviceLanding, HostStaging, _Op
 
 from ascendstore.contract import Region
 
@@ -76,26 +77,79 @@ def test_staged_copies_move_each_region_s_bytes_and_skip_what_is_not_device_kv(m
                     assert buf[pos : pos + r.length].tobytes() == want
                 pos += r.length
 
-        # Loads: distinct bytes into the load buffer; only objects marked ok reach the KV.
-        before = {k: t.clone() for k, t in kv.items()}
-        scratch_before = scratch.clone()
-        staging.stage_in(ops)
-        fill = torch.randint(0, 256, (pos,), dtype=torch.uint8, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
-        staging.load_buf[:pos].copy_(fill)
-        ok = [rng.random() < 0.5 for _ in ops]
-        staging.commit_in(ops, ok)
-        flat_expect = {k: t.flatten().clone() for k, t in before.items()}
-        pos = 0
-        for op, good in zip(ops, ok, strict=True):  # in order: a later object's bytes win
-            for r in op.regions:
-                if good:
-                    for k, t in kv.items():
-                        lo = t.data_ptr()
-                        if lo <= r.addr and r.addr + r.length <= lo + t.numel():
-                            flat_expect[k][r.addr - lo : r.addr - lo + r.length] = fill[pos : pos + r.length]
-                pos += r.length
-        for k, t in kv.items():
-            assert torch.equal(t.flatten(), flat_expect[k]), k
-        assert torch.equal(scratch, scratch_before)  # never written: it is not device KV
-        for k, t in kv.items():  # restore for the next round's saves
-            t.copy_(before[k])
+        _check_loads(staging, kv, scratch, ops, rng, pos)
+
+
+def _check_loads(staging: HostStaging, kv: dict[str, torch.Tensor], scratch: torch.Tensor, ops: list[_Op],
+                 rng: random.Random, pos: int) -> None:
+    """Distinct bytes into the load buffer; only objects marked ok reach the KV."""
+    before = {k: t.clone() for k, t in kv.items()}
+    scratch_before = scratch.clone()
+    staging.stage_in(ops)
+    fill = torch.randint(0, 256, (pos,), dtype=torch.uint8, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+    staging.load_buf[:pos].copy_(fill)
+    ok = [rng.random() < 0.5 for _ in ops]
+    staging.commit_in(ops, ok)
+    flat_expect = {k: t.flatten().clone() for k, t in before.items()}
+    pos = 0
+    for op, good in zip(ops, ok, strict=True):  # in order: a later object's bytes win
+        for r in op.regions:
+            if good:
+                for k, t in kv.items():
+                    lo = t.data_ptr()
+                    if lo <= r.addr and r.addr + r.length <= lo + t.numel():
+                        flat_expect[k][r.addr - lo : r.addr - lo + r.length] = fill[pos : pos + r.length]
+            pos += r.length
+    for k, t in kv.items():
+        assert torch.equal(t.flatten(), flat_expect[k]), k
+    assert torch.equal(scratch, scratch_before)  # never written: it is not device KV
+    for k, t in kv.items():  # restore for the next round's saves
+        t.copy_(before[k])
+
+
+def test_device_landing_copies_what_arrived_into_the_kv_and_skips_what_is_not_device_kv():
+    kv, scratch = _kv()
+    allocated: list[Region] = []
+    landing = DeviceLanding(kv, 1 << 16, allocated.append)
+    assert landing.load_buf is None and allocated == [], "allocated before any load needed it"
+    rng = random.Random(3)
+    for _ in range(3):
+        ops = _objects(kv, scratch, rng)
+        _check_loads(landing, kv, scratch, ops, rng, sum(op.nbytes for op in ops))
+    assert landing.load_buf.device == next(iter(kv.values())).device
+    assert allocated == [Region(landing.load_buf.data_ptr(), landing.load_buf.numel())]
+    with pytest.raises(NotImplementedError):
+        landing.stage_out(ops)
+
+
+def test_device_landing_handed_over_after_an_overrun_is_never_written_again():
+    kv, scratch = _kv()
+    allocated: list[Region] = []
+    landing = DeviceLanding(kv, 1 << 16, allocated.append)
+    ops = _objects(kv, scratch, random.Random(5))[:4]
+    landing.stage_in(ops)
+    old, region = landing.detach("load")
+    assert region is None and landing.load_buf is None  # the next load allocates (and registers) its own
+    landed = landing.stage_in(ops)
+    assert landing.load_buf.data_ptr() != old.data_ptr()
+    assert landed[0][0].addr == landing.load_buf.data_ptr() and len(allocated) == 2
+    kept = old.clone()
+    landing.load_buf.fill_(1)
+    landing.commit_in(ops, [True] * len(ops))
+    assert torch.equal(old, kept), "the retired buffer was touched"
+
+
+def test_device_landing_without_room_on_the_device_lands_in_host_memory(monkeypatch, caplog):
+    kv, scratch = _kv()
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        if "device" in kwargs:
+            raise torch.OutOfMemoryError("no room")
+        return real_empty(*args, **kwargs)
+
+    landing = DeviceLanding(kv, 1 << 16)
+    ops = _objects(kv, scratch, random.Random(9))
+    monkeypatch.setattr(torch, "empty", empty)
+    _check_loads(landing, kv, scratch, ops, random.Random(9), sum(op.nbytes for op in ops))
+    assert "loads land in pinned host memory" in caplog.text

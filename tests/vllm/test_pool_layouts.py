@@ -20,7 +20,7 @@ def exact(eng: EngineHarness, req_id: str, prompt: list[int], rank: int = 0) -> 
 
 @pytest.mark.parametrize("mode", [{}, {"use_layerwise": True}], ids=["chunk", "layerwise"])
 def test_staged_transfers_in_bounded_batches(pool_root, monkeypatch, mode):
-    monkeypatch.setattr(AscendStoreWorker, "force_staging", True)
+    monkeypatch.setattr(AscendStoreWorker, "treat_kv_as_device", True)
     # 2 layers x 4 KiB per chunk object: a 10 KiB buffer holds 2 objects per batch.
     cfg = pool_config(pool_root, staging_buffer_bytes="10KiB", **mode)
     a = EngineHarness(EngineSpec(extra_config=cfg))
