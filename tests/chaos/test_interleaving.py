@@ -63,6 +63,10 @@ MODES = {
     "plain-as": ({}, {"async_scheduling": True}),
     "async-as": ({"load_async": True}, {"async_scheduling": True}),
     "layerwise-as": ({"use_layerwise": True}, {"async_scheduling": True}),
+    # KV "on a device" that a client like Mooncake's reads (CPU tensors stand in):
+    # loads land in the device landing buffer, hung calls detach.
+    "plain-device": ({"detaches": True, "device_memory": True}, {}),
+    "layerwise-device": ({"use_layerwise": True, "detaches": True, "device_memory": True}, {}),
 }
 
 
@@ -163,8 +167,12 @@ def _prompt(rng: random.Random, shared: list[list[int]]) -> list[int]:
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_random_interleavings_release_blocks_once_and_load_exact(mode):
+def test_random_interleavings_release_blocks_once_and_load_exact(mode, monkeypatch):
     extra_mode, spec_kw = MODES[mode]
+    if mode.endswith("-device"):
+        from ascendstore_vllm.worker import AscendStoreWorker
+
+        monkeypatch.setattr(AscendStoreWorker, "treat_kv_as_device", True)
     name = pool_name(f"mix-{mode}")
     extra = faulty_extra(name, checksum=False, capacity="8MiB", timeout_ms=TIMEOUT_MS, lookup_timeout_ms=100,
                          **extra_mode)
