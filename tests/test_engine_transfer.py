@@ -263,6 +263,25 @@ def test_hung_backend_never_blocks_a_load_and_late_writes_are_bounced():
     assert threading.active_count() < 50
 
 
+def test_a_landing_buffer_that_cannot_be_allocated_fails_the_load_not_the_caller():
+    """After an overrun the next load allocates a fresh landing buffer; if that fails
+    (no device memory left), the load is recomputed: nothing raises into vLLM's thread."""
+    class NoRoom:
+        capacity = 1 << 20
+
+        def stage_in(self, ops):
+            raise RuntimeError("no room on npu:0")
+
+    be = MemBackend()
+    be.data["k0"] = bytes([7]) * 16
+    eng = TransferEngine(BackendGuard(be, 1.0))
+    assert eng.landing is not None  # MemBackend is not bounded: loads land
+    eng.use_landing(lambda register: NoRoom())
+    dst = torch.zeros(16, dtype=torch.uint8)
+    assert eng.load_now("r", ops_for(dst, 1, 16)) == {0} and dst.sum() == 0
+    eng.shutdown(timeout_s=1)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_bounce_commit_copies_what_arrived_into_each_objects_regions(stream):
     """The landing buffer holds the batch's objects back to back; each object that

@@ -1036,7 +1036,13 @@ class TransferEngine:
             left = self._time_left(task)
             if left <= 0 or self._landing_full():
                 return timeout
-            keys, regions = [op.key for op in batch], stager.stage_in(batch)
+            keys = [op.key for op in batch]
+            try:
+                regions = stager.stage_in(batch)
+            except Exception:  # e.g. no device memory left for a fresh landing buffer
+                log.exception("no landing buffer for a load of %d object(s) for %s; they are recomputed",
+                              len(batch), task.req_id)
+                return [Status.UNAVAILABLE] * len(batch)
             watch = (self._watch.watching(time.monotonic() + left + GRACE_S, (task, batch, stager, lock))
                      if self._watch is not None and self._on_load_thread() else nullcontext())
             with watch as watched:

@@ -197,25 +197,28 @@ class DeviceLanding(HostStaging):
     (an ``ascendstore.engine.Stager`` for loads only; puts read the blocks).
 
     The core's host landing buffer would not do: its copy out is a host memmove,
-    and device addresses are not host memory. Allocated on first use (async
-    loads with ``direct_async_loads`` never land) and registered with the
-    backend through ``on_alloc``; if the device has no room left beside vLLM's
-    KV cache, pinned host memory instead (correct, slower: a copy to the device)."""
+    and device addresses are not host memory. Nor would pinned host memory as a
+    fallback: such a backend copies by the kind of memory it was set up for
+    (MemCache's G2L). So the buffer is allocated at start-up, where no room for
+    it is a clear error, and registered with the backend through ``on_alloc``;
+    after an overrun the next load allocates a fresh one."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], capacity: int,
                  on_alloc: Callable[[Region], None] | None = None) -> None:
         super().__init__(kv_caches, capacity, buffers=False)
         self._on_alloc = on_alloc
         self.save_buf = None
-        self.load_buf: torch.Tensor | None = None
+        self.load_buf: torch.Tensor | None = self._alloc(capacity)
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         try:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         except RuntimeError as exc:  # torch.OutOfMemoryError is one
-            log.warning("no room on %s for a %d-byte landing buffer (%s); loads land in pinned host memory",
-                        self.device, nbytes, exc)
-            buf = _pinned(nbytes)
+            raise RuntimeError(
+                f"AscendStore: no room on {self.device} for the {nbytes >> 20} MiB buffer that loads land in "
+                f"(a get may outlive its deadline); leave that much device memory free beside the KV cache, "
+                f"e.g. a lower gpu_memory_utilization ({exc})"
+            ) from exc
         if self._on_alloc is not None:
             self._on_alloc(Region(buf.data_ptr(), buf.numel()))
         return buf

@@ -111,13 +111,13 @@ def test_device_landing_copies_what_arrived_into_the_kv_and_skips_what_is_not_de
     kv, scratch = _kv()
     allocated: list[Region] = []
     landing = DeviceLanding(kv, 1 << 16, allocated.append)
-    assert landing.load_buf is None and allocated == [], "allocated before any load needed it"
+    # At start-up (where no room for it is a clear error), on the KV's device, registered.
+    assert landing.load_buf is not None and landing.load_buf.device == next(iter(kv.values())).device
+    assert allocated == [Region(landing.load_buf.data_ptr(), landing.load_buf.numel())]
     rng = random.Random(3)
     for _ in range(3):
         ops = _objects(kv, scratch, rng)
         _check_loads(landing, kv, scratch, ops, rng, sum(op.nbytes for op in ops))
-    assert landing.load_buf.device == next(iter(kv.values())).device
-    assert allocated == [Region(landing.load_buf.data_ptr(), landing.load_buf.numel())]
     with pytest.raises(NotImplementedError):
         landing.stage_out(ops)
 
@@ -139,17 +139,15 @@ def test_device_landing_handed_over_after_an_overrun_is_never_written_again():
     assert torch.equal(old, kept), "the retired buffer was touched"
 
 
-def test_device_landing_without_room_on_the_device_lands_in_host_memory(monkeypatch, caplog):
-    kv, scratch = _kv()
+def test_device_landing_without_room_on_the_device_is_a_clear_error(monkeypatch):
+    kv, _ = _kv()
     real_empty = torch.empty
 
     def empty(*args, **kwargs):
-        if "device" in kwargs:
-            raise torch.OutOfMemoryError("no room")
+        if "device" in kwargs and args and args[0] > 0:
+            raise torch.OutOfMemoryError("out of memory")
         return real_empty(*args, **kwargs)
 
-    landing = DeviceLanding(kv, 1 << 16)
-    ops = _objects(kv, scratch, random.Random(9))
     monkeypatch.setattr(torch, "empty", empty)
-    _check_loads(landing, kv, scratch, ops, random.Random(9), sum(op.nbytes for op in ops))
-    assert "loads land in pinned host memory" in caplog.text
+    with pytest.raises(RuntimeError, match=r"no room on cpu for the 2 MiB buffer that loads land in.*gpu_memory_util"):
+        DeviceLanding(kv, 2 << 20)
