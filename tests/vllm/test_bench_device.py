@@ -1,0 +1,44 @@
+"""bench/bench_device.py, the check of device KV staging and landing for a lent
+device, run here on the CPU (speed is never asserted): every check passes, the
+staged bytes go through a real local pool, and every figure is reported; its
+checks fail when a copy does the wrong thing."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from ascendstore_vllm.device import DeviceLanding
+from conftest import run_bench
+
+BENCH = Path(__file__).parents[2] / "bench"
+
+
+def test_bench_device_checks_and_reports_every_figure():
+    res = run_bench("bench_device.py", "--quick", "--device", "cpu")
+    assert res["device"] == "cpu" and res["failed"] == []
+    assert len(res["checks"]) == 2
+    for checks in res["checks"].values():
+        assert "note" not in checks, checks["note"]  # the round trip went through the local pool
+        assert [v for k, v in checks.items()] == [True] * 4
+    for row in res["shapes"]:
+        assert row["regions"] == 8 * row["objects"]  # 4 layers x K and V
+        for k in ("staged save / one copy", "staged load / one copy", "landing commit / one copy"):
+            assert row["ratio"][k]["median"] > 0
+
+
+def test_bench_device_checks_see_a_wrong_copy(monkeypatch):
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_device
+    finally:
+        sys.path.remove(str(BENCH))
+
+    def ignores_ok(self, ops, ok):  # copies every object, arrived or not
+        DeviceLanding.__mro__[1].commit_in(self, ops, [True] * len(ok))
+
+    monkeypatch.setattr(DeviceLanding, "commit_in", ignores_ok)
+    res = bench_device.check(torch.device("cpu"), 2, 10, 1024, 1)
+    assert res["landing: ok objects copied, the others untouched"] is False
+    assert res["staged load: device KV == before"] is True
