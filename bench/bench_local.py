@@ -32,7 +32,11 @@ spread *across processes*; ``within_spread`` is the median of the processes'
 own round-to-round spreads. ``exists`` and the disk tier run once, in the
 parent. Bounded: about 80 s (``--quick``: about 12 s).
 
-    .venv/bin/python bench/bench_local.py [--json] [--quick] [--procs N] [--rounds N]
+With ``--hugetlbfs DIR`` every process also measures a third pool, checksum off,
+whose DRAM tier is on that hugetlbfs mount (``off, huge pages``), interleaved with
+the rest: the same copies from 2 MiB pages instead of /dev/shm's 4 KiB ones.
+
+    .venv/bin/python bench/bench_local.py [--json] [--quick] [--procs N] [--rounds N] [--hugetlbfs DIR]
 """
 
 from __future__ import annotations
@@ -84,11 +88,22 @@ class _ShmMirror:
         self.addr = self.buf.ctypes.data
 
 
-def bench_dram(size: int, rounds: int, min_s: float, pool_bytes: int, page_size: int) -> dict:
-    """put and get with checksum off and on, against the three memcpy baselines."""
+def _checksums(hugetlbfs: str | None) -> tuple[str, ...]:
+    """The pool variants measured: checksum off and on, and off with the DRAM tier on hugetlbfs."""
+    return ("off", "on", HUGE) if hugetlbfs else ("off", "on")
+
+
+#: the variant with checksum off and the pool's DRAM tier in a hugetlbfs mount's huge pages
+HUGE = "off, huge pages"
+
+
+def bench_dram(size: int, rounds: int, min_s: float, pool_bytes: int, page_size: int,
+               hugetlbfs: str | None = None) -> dict:
+    """put and get with checksum off and on (and off on hugetlbfs), against the memcpy baselines."""
     pools = {
-        ck: _open(capacity=pool_bytes, page_size=page_size, checksum=ck == "on", prefault=True)
-        for ck in ("off", "on")
+        ck: _open(capacity=pool_bytes, page_size=page_size, checksum=ck == "on", prefault=True,
+                  hugetlbfs=hugetlbfs if ck == HUGE else None)
+        for ck in _checksums(hugetlbfs)
     }
     try:
         n_keys = (pool_bytes * 3 // 4) // size // BATCH * BATCH
@@ -149,8 +164,8 @@ def bench_dram(size: int, rounds: int, min_s: float, pool_bytes: int, page_size:
                 assert be.put(b, regions, 5.0) == [Status.OK] * BATCH
         cases: dict[str, Callable[[], int]] = {}
         for op, to_pool in (("put", True), ("get", False)):
-            cases[f"{op} checksum off"] = pool_op(op, "off")
-            cases[f"{op} checksum on"] = pool_op(op, "on")
+            for ck in pools:
+                cases[f"{op} checksum {ck}"] = pool_op(op, ck)
             cases[f"{op}: memcpy"] = memcpy(to_pool, "anon", False)
             cases[f"{op}: memcpy/obj"] = memcpy(to_pool, "anon", True)
             cases[f"{op}: memcpy shm"] = memcpy(to_pool, "shm", False)
@@ -158,7 +173,7 @@ def bench_dram(size: int, rounds: int, min_s: float, pool_bytes: int, page_size:
         samples = interleave({k: (lambda f=f: rate(f, min_s) / 1e9) for k, f in cases.items()}, rounds)
         out: dict = {"gbps": {k: stat(v).as_dict() for k, v in samples.items()}, "ratio": {}}
         for op in ("put", "get"):
-            for ck in ("off", "on"):
+            for ck in pools:
                 for base in ("memcpy", "memcpy/obj", "memcpy shm", "stream"):
                     r = ratios(samples[f"{op} checksum {ck}"], samples[f"{op}: {base}"])
                     out["ratio"][f"{op} checksum {ck} / {base}"] = r.as_dict()
@@ -239,13 +254,13 @@ def _s(d: dict, digits: int = 2) -> str:
 SIZES = ((64 * KiB, 128 * MiB), (2 * MiB, 256 * MiB))
 
 
-def _dram_all(rounds: int, min_s: float, page_size: int) -> dict:
+def _dram_all(rounds: int, min_s: float, page_size: int, hugetlbfs: str | None) -> dict:
     return {
-        f"dram_{size // KiB}KiB": bench_dram(size, rounds, min_s, pool, page_size) for size, pool in SIZES
+        f"dram_{size // KiB}KiB": bench_dram(size, rounds, min_s, pool, page_size, hugetlbfs) for size, pool in SIZES
     }
 
 
-def _one_process(rounds: int, min_s: float, page_size: int) -> dict:
+def _one_process(rounds: int, min_s: float, page_size: int, hugetlbfs: str | None) -> dict:
     """The DRAM part in a fresh interpreter (its own mappings: see the module doc)."""
     cmd = [
         sys.executable,
@@ -257,6 +272,7 @@ def _one_process(rounds: int, min_s: float, page_size: int) -> dict:
         str(min_s),
         "--page-size",
         str(page_size),
+        *(("--hugetlbfs", hugetlbfs) if hugetlbfs else ()),
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode:
@@ -285,22 +301,26 @@ def main(
     rounds: int = typer.Option(0, help="interleaved rounds per process (0: 5, --quick: 3)"),
     min_s: float = typer.Option(0.0, "--min-s", help="seconds per sample (0: 0.04, --quick: 0.03)"),
     page_size: int = typer.Option(64 * KiB, help="pool page size in bytes"),
+    hugetlbfs: str = typer.Option("", help="also measure a pool whose DRAM tier is on this hugetlbfs mount "
+                                  "(needs 256 MiB of huge pages reserved: vm.nr_hugepages)"),
     child: bool = typer.Option(False, "--child", hidden=True, help="one process of the DRAM part, as JSON"),
 ) -> None:
     rounds = rounds or (3 if quick else 5)
     procs = procs or (2 if quick else 9)
     min_s = min_s or (0.03 if quick else 0.04)
+    huge = hugetlbfs or None
     if child:
-        print(json.dumps(_dram_all(rounds, min_s, page_size)))
+        print(json.dumps(_dram_all(rounds, min_s, page_size, huge)))
         return
     results: dict = {
         "batch": BATCH,
         "procs": procs,
         "rounds": rounds,
         "page_size": page_size,
+        "hugetlbfs": huge,
         "env_before": env_info(),
     }
-    results.update(_across([_one_process(rounds, min_s, page_size) for _ in range(procs)]))
+    results.update(_across([_one_process(rounds, min_s, page_size, huge) for _ in range(procs)]))
     results["exists_512_us"] = bench_exists(512, 20 if quick else 60, rounds)
     results["disk_64KiB"] = bench_disk(64 * KiB, 32 * MiB if quick else 64 * MiB, 2 if quick else 3)
     results["env_after"] = env_info()
@@ -327,7 +347,7 @@ def main(
         if not name.startswith("dram_"):
             continue
         for op in ("put", "get"):
-            for ck in ("off", "on"):
+            for ck in _checksums(huge):
                 rr = r["ratio"]
                 t.add_row(
                     name.split("_")[1],

@@ -3,6 +3,7 @@ entry-point name through the stevedore registry, as the connector opens it."""
 
 import pytest
 from ascendstore_conformance import BackendConformance, BackendFactory
+from hugetlbfs_helpers import hugetlbfs_mount
 
 #: a private pool per test ("{unique}"), small enough that max_object_bytes
 #: (= capacity) is within the suite's write cap, so the over-maximum test runs too.
@@ -22,3 +23,18 @@ class TestLocalBackendWithDiskTierAndChecksums(BackendConformance):
         disk = {"disk_path": "{tmp}/disk", "disk_capacity": "64MiB", "checksum": True}
         small_disk = {"disk_path": "{tmp}/disk", "disk_capacity": "4MiB", "checksum": True}
         return BackendFactory("local", config=CONFIG | disk, small_config=SMALL | small_disk)
+
+
+@pytest.fixture(scope="module")
+def huge_mount(tmp_path_factory):
+    with hugetlbfs_mount(tmp_path_factory.mktemp("hugetlbfs"), 64) as d:
+        yield d
+
+
+class TestLocalBackendOnHugePages(BackendConformance):
+    """The DRAM tier on a hugetlbfs mount (``hugetlbfs``: real huge pages, root only)."""
+
+    @pytest.fixture
+    def backend_factory(self, huge_mount) -> BackendFactory:
+        huge = {"hugetlbfs": huge_mount}
+        return BackendFactory("local", config=CONFIG | huge, small_config=SMALL | huge)

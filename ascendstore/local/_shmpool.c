@@ -47,6 +47,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <stddef.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -176,6 +177,8 @@ typedef struct Pool {
     size_t map_size;
     char shm_name[160];
     char lock_name[170]; /* shm name of the slot lock file */
+    char huge_dir[128];  /* a hugetlbfs mount holding the segment, or "" for a /dev/shm object */
+    uint64_t huge_page;  /* that mount's page size (0: /dev/shm) */
     int lock_fd;         /* this handle's own open of it (its own OFD: its own locks) */
     struct Pool *all_next, *all_prev; /* every open handle, to drop inherited lock fds after fork */
     int slot;
@@ -2359,51 +2362,91 @@ static void prefault_arena(Pool *p) {
     for (size_t o = 0; o < len; o += 4096) ((volatile uint8_t *)ARENA(p))[o] = 0;
 }
 
+/* The segment's file: a POSIX shm object (/dev/shm, 4 KiB pages unless the host's
+ * shmem_enabled allows more) or a file of the same name on a hugetlbfs mount. */
+static void arena_path(const Pool *p, char *out, size_t n) {
+    snprintf(out, n, "%s%s", p->huge_dir[0] ? p->huge_dir : "/dev/shm", p->shm_name);
+}
+
+static int arena_open(const Pool *p, int flags, mode_t mode) {
+    if (!p->huge_dir[0]) return shm_open(p->shm_name, flags, mode);
+    char path[320];
+    arena_path(p, path, sizeof path);
+    return open(path, flags, mode);
+}
+
+static int arena_unlink(const Pool *p) {
+    if (!p->huge_dir[0]) return shm_unlink(p->shm_name);
+    char path[320];
+    arena_path(p, path, sizeof path);
+    return unlink(path);
+}
+
 /* Returns -1 and sets a Python error on failure. Called with the GIL. */
 static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int prefault) {
     snprintf(p->shm_name, sizeof p->shm_name, "/ascendstore-pool.%s", name);
-    snprintf(p->lock_name, sizeof p->lock_name, "/ascendstore-lock.%s", name);
+    /* a pool on hugetlbfs is another pool than the /dev/shm one of its name: its own lock file */
+    snprintf(p->lock_name, sizeof p->lock_name, p->huge_page ? "/ascendstore-hlock.%s" : "/ascendstore-lock.%s",
+             name);
+    if (p->huge_page) {
+        char shm_path[200];
+        snprintf(shm_path, sizeof shm_path, "/dev/shm%s", p->shm_name);
+        if (access(shm_path, F_OK) == 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "pool %s already exists in /dev/shm (%s): every process of a pool must give the same "
+                         "hugetlbfs", name, shm_path);
+            return -1;
+        }
+    }
     p->lock_fd = -1;
     hdr_t want;
     memset(&want, 0, sizeof want);
     layout(g, &want);
+    if (p->huge_page) /* a hugetlbfs file is sized and mapped in whole huge pages */
+        want.total_size = (want.total_size + p->huge_page - 1) / p->huge_page * p->huge_page;
+    char where[320];
+    arena_path(p, where, sizeof where);
     double deadline = now_mono() + timeout_s;
     char err[1280] = {0}; /* room for the longest options message: two names and a disk path */
     int ok = 0;
     Py_BEGIN_ALLOW_THREADS
     for (int attempt = 0; attempt < 1000 && !ok && !err[0]; attempt++) {
         int created = 0;
-        int fd = shm_open(p->shm_name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        int fd = arena_open(p, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
         if (fd >= 0) {
             created = 1;
             if (ftruncate(fd, (off_t)want.total_size) != 0) {
-                snprintf(err, sizeof err, "cannot size shared memory %s to %llu bytes: %s", p->shm_name,
+                snprintf(err, sizeof err, "cannot size shared memory %s to %llu bytes: %s", where,
                          (unsigned long long)want.total_size, strerror(errno));
                 close(fd);
-                shm_unlink(p->shm_name);
+                arena_unlink(p);
                 break;
             }
         } else if (errno == EEXIST) {
-            fd = shm_open(p->shm_name, O_RDWR | O_CLOEXEC, 0600);
+            fd = arena_open(p, O_RDWR | O_CLOEXEC, 0600);
             if (fd < 0) {
                 if (errno == ENOENT) continue; /* unlinked meanwhile */
-                snprintf(err, sizeof err, "cannot open shared memory %s: %s", p->shm_name, strerror(errno));
+                snprintf(err, sizeof err, "cannot open shared memory %s: %s", where, strerror(errno));
                 break;
             }
         } else {
-            snprintf(err, sizeof err, "cannot create shared memory %s: %s", p->shm_name, strerror(errno));
+            snprintf(err, sizeof err, "cannot create shared memory %s: %s", where, strerror(errno));
             break;
         }
         /* wait for the creator to size and initialise the segment */
         struct stat sb;
         hdr_t *h = NULL;
         size_t msize = 0;
+        int map_errno = 0;
         for (;;) {
             if (fstat(fd, &sb) != 0) break;
             if ((uint64_t)sb.st_size >= sizeof(hdr_t)) {
                 msize = (size_t)sb.st_size;
                 h = mmap(NULL, msize, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-                if (h == MAP_FAILED) h = NULL;
+                if (h == MAP_FAILED) {
+                    h = NULL;
+                    map_errno = errno;
+                }
                 if (!h) break;
                 if (created || atomic_load_explicit(&h->ready, memory_order_acquire)) break;
                 munmap(h, msize);
@@ -2413,11 +2456,20 @@ static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int
             usleep(1000);
         }
         close(fd);
+        if (!h && map_errno) {
+            /* on hugetlbfs a mapping reserves its huge pages: ENOMEM when too few are free */
+            snprintf(err, sizeof err, "cannot map shared memory %s (%zu bytes): %s%s", where, msize,
+                     strerror(map_errno),
+                     p->huge_page && map_errno == ENOMEM
+                         ? "; reserve more huge pages (vm.nr_hugepages; HugePages_Free in /proc/meminfo)"
+                         : "");
+            if (created) arena_unlink(p);
+            break;
+        }
         if (!h) {
             snprintf(err, sizeof err,
-                     "shared memory %s exists but was never initialised (its creator died?); "
-                     "remove /dev/shm%s and retry",
-                     p->shm_name, p->shm_name);
+                     "shared memory %s exists but was never initialised (its creator died?); remove it and retry",
+                     where);
             break;
         }
         p->h = h;
@@ -2433,8 +2485,7 @@ static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int
             atomic_store_explicit(&h->ready, 1, memory_order_release);
         } else if (h->magic != POOL_MAGIC || h->layout != POOL_LAYOUT || h->total_size != msize) {
             snprintf(err, sizeof err,
-                     "shared memory %s is not an AscendStore pool of this version; remove /dev/shm%s",
-                     p->shm_name, p->shm_name);
+                     "shared memory %s is not an AscendStore pool of this version; remove it", where);
             munmap(h, msize);
             p->h = NULL;
             break;
@@ -2475,7 +2526,7 @@ static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int
                 atomic_store(&h->destroyed, 1);
                 disk_files_remove(h);
                 shm_unlink(p->lock_name); /* before the segment: see pool_detach */
-                shm_unlink(p->shm_name);
+                arena_unlink(p);
                 pool_unlock(p);
                 munmap(h, msize);
                 p->h = NULL;
@@ -2538,14 +2589,14 @@ static void pool_detach(Pool *p, int destroy) {
             /* the lock file goes first: whoever creates the next segment of
              * this name then also creates a fresh lock file */
             shm_unlink(p->lock_name);
-            shm_unlink(p->shm_name);
+            arena_unlink(p);
             unlinked = 1;
         }
         pool_unlock(p);
     } else if (destroy) {
         atomic_store(&h->destroyed, 1);
         shm_unlink(p->lock_name);
-        shm_unlink(p->shm_name);
+        arena_unlink(p);
         unlinked = 1;
     }
     if (p->lock_fd >= 0) close(p->lock_fd); /* releases our slot lock if still held */
@@ -2613,16 +2664,36 @@ static PyObject *Pool_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 static int Pool_init(Pool *p, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"name", "capacity", "page_size", "max_keys", "checksum", "disk_path",
                              "disk_capacity", "disk_segment_size", "open_timeout_s", "unlink_on_last_close",
-                             "prefault", NULL};
+                             "prefault", "hugetlbfs", NULL};
     const char *name;
     unsigned long long cap, page, dcap = 0, dseg = 64ull << 20;
     unsigned int maxk;
     int checksum = 0, unlink_last = 1, prefault = 0;
-    const char *dpath = NULL;
+    const char *dpath = NULL, *huge = NULL;
     double tmo = 10.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "sKKI|pzKKdpp", kwlist, &name, &cap, &page, &maxk, &checksum,
-                                     &dpath, &dcap, &dseg, &tmo, &unlink_last, &prefault))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "sKKI|pzKKdppz", kwlist, &name, &cap, &page, &maxk, &checksum,
+                                     &dpath, &dcap, &dseg, &tmo, &unlink_last, &prefault, &huge))
         return -1;
+    p->huge_dir[0] = 0;
+    p->huge_page = 0;
+    if (huge && huge[0]) {
+        struct statfs fs;
+        if (strlen(huge) >= sizeof p->huge_dir) {
+            PyErr_SetString(PyExc_ValueError, "hugetlbfs path too long");
+            return -1;
+        }
+        if (statfs(huge, &fs) != 0) {
+            PyErr_Format(PyExc_ValueError, "hugetlbfs %s: %s", huge, strerror(errno));
+            return -1;
+        }
+        if ((unsigned long)fs.f_type != 0x958458f6UL) { /* HUGETLBFS_MAGIC */
+            PyErr_Format(PyExc_ValueError,
+                         "hugetlbfs %s is not a hugetlbfs mount (mount -t hugetlbfs none %s, as root)", huge, huge);
+            return -1;
+        }
+        snprintf(p->huge_dir, sizeof p->huge_dir, "%s", huge);
+        p->huge_page = (uint64_t)fs.f_bsize;
+    }
     for (int k = 0; k < MAX_SEGS; k++) p->seg_fd[k] = -1;
     pthread_mutex_init(&p->local, NULL);
     if (!valid_name(name)) {
@@ -3346,7 +3417,7 @@ static PyObject *Pool_removed_since(Pool *p, PyObject *args) {
 
 static uint64_t shm_resident(Pool *p) {
     struct stat sb;
-    int fd = shm_open(p->shm_name, O_RDONLY | O_CLOEXEC, 0);
+    int fd = arena_open(p, O_RDONLY | O_CLOEXEC, 0);
     if (fd < 0) return 0;
     uint64_t r = fstat(fd, &sb) == 0 ? (uint64_t)sb.st_blocks * 512 : 0;
     close(fd);

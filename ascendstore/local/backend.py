@@ -152,6 +152,7 @@ class LocalBackend(Backend):
                 options.open_timeout_s,
                 options.unlink_on_last_close,
                 options.prefault,
+                options.hugetlbfs,
             )
         except (OSError, ValueError) as exc:
             raise BackendSetupError(f"local backend (pool {options.name!r}): {exc}") from exc

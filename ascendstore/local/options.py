@@ -48,6 +48,12 @@ class LocalOptions(BackendOptions):
     prefault: Bool = Field(
         False, description="allocate all of the capacity's memory when the pool is created"
     )
+    hugetlbfs: str | None = Field(
+        None,
+        description="a hugetlbfs mount (e.g. /dev/hugepages) to hold the DRAM tier in huge pages instead of "
+        "/dev/shm's 4 KiB ones: fewer TLB misses on large objects; needs capacity's worth of pages reserved "
+        "(vm.nr_hugepages); every process of the pool must give the same; None: /dev/shm",
+    )
     open_timeout_s: float = Field(
         10.0, gt=0, description="bound on waiting for another process creating the pool"
     )
