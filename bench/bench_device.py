@@ -43,7 +43,7 @@ from harness import Stat, env_info, gbps_sampler, interleave, ratios, stat
 from rich.console import Console
 from rich.table import Table
 
-from ascendstore.contract import Region
+from ascendstore.contract import BackendContext, Region, Status
 
 app = typer.Typer(add_completion=False)
 
@@ -93,7 +93,6 @@ def _device_bytes(kv: dict[str, torch.Tensor], objs: list[_Object]) -> torch.Ten
 def _pool_round_trip(staging: HostStaging, objs: list[_Object], kv: dict[str, torch.Tensor]) -> str:
     """Put the staged bytes into a local pool and get them back through stage_in; '' or why skipped."""
     try:
-        from ascendstore.contract import BackendContext, Status
         from ascendstore.local.backend import LocalBackend
         from ascendstore.local.options import LocalOptions
     except ImportError as exc:  # the C extension is not built on this machine
@@ -167,7 +166,8 @@ def timings(device: torch.device, layers: int, blocks: int, block_bytes: int, ru
     def one(dst: torch.Tensor, src: torch.Tensor):
         def go() -> None:
             dst.copy_(src, non_blocking=True)
-            mod.synchronize(device) if device.type != "cpu" else None
+            if device.type != "cpu":
+                mod.synchronize(device)
         return go
 
     cases = {

@@ -88,13 +88,13 @@ class _ShmMirror:
         self.addr = self.buf.ctypes.data
 
 
+#: the variant with checksum off and the pool's DRAM tier in a hugetlbfs mount's huge pages
+HUGE = "off, huge pages"
+
+
 def _checksums(hugetlbfs: str | None) -> tuple[str, ...]:
     """The pool variants measured: checksum off and on, and off with the DRAM tier on hugetlbfs."""
     return ("off", "on", HUGE) if hugetlbfs else ("off", "on")
-
-
-#: the variant with checksum off and the pool's DRAM tier in a hugetlbfs mount's huge pages
-HUGE = "off, huge pages"
 
 
 def bench_dram(size: int, rounds: int, min_s: float, pool_bytes: int, page_size: int,

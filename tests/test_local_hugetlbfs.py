@@ -5,6 +5,7 @@ where the host does not allow it), and gives both back at the end."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -79,8 +80,6 @@ def test_another_process_reads_what_one_wrote(mount):
             be.close()
         """)
         out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60, check=True)
-        import hashlib
-
         assert out.stdout.split() == ["OK", hashlib.sha256(src).hexdigest()]
         assert be.stats()["processes"] == 1  # the child detached; the pool stays for us
     finally:

@@ -8,14 +8,11 @@ torch does for ``cuda``.
 from __future__ import annotations
 
 import bisect
-import logging
 from collections.abc import Callable, Sequence
 
 import torch
 
 from ascendstore.contract import Region
-
-log = logging.getLogger(__name__)
 
 #: device views of regions kept (cleared when full): a few hundred bytes each, ~6 MB at most
 VIEW_CACHE_ENTRIES = 1 << 14
@@ -223,9 +220,6 @@ class DeviceLanding(HostStaging):
             self._on_alloc(Region(buf.data_ptr(), buf.numel()))
         return buf
 
-    def host_regions(self) -> list[Region]:
-        return [] if self.load_buf is None else [Region(self.load_buf.data_ptr(), self.load_buf.numel())]
-
     def stage_out(self, ops: Sequence) -> list[list[Region]]:
         raise NotImplementedError("puts read vLLM's blocks directly")
 
@@ -233,10 +227,6 @@ class DeviceLanding(HostStaging):
         if self.load_buf is None:
             self.load_buf = self._alloc(max(self.capacity, sum(op.nbytes for op in ops)))
         return self._host_layout(self.load_buf, ops)
-
-    def commit_in(self, ops: Sequence, ok: Sequence[bool]) -> None:
-        assert self.load_buf is not None
-        super().commit_in(ops, ok)
 
     def detach(self, direction: str) -> tuple[object, Region | None]:
         """A get that overran still writes the buffer: hand it over; the next load allocates (and registers) anew."""

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
-from ascendstore_vllm.device import DeviceLanding
+from ascendstore_vllm.device import DeviceLanding, HostStaging
 from conftest import run_bench
 
 BENCH = Path(__file__).parents[2] / "bench"
@@ -36,7 +36,7 @@ def test_bench_device_checks_see_a_wrong_copy(monkeypatch):
         sys.path.remove(str(BENCH))
 
     def ignores_ok(self, ops, ok):  # copies every object, arrived or not
-        DeviceLanding.__mro__[1].commit_in(self, ops, [True] * len(ok))
+        HostStaging.commit_in(self, ops, [True] * len(ok))
 
     monkeypatch.setattr(DeviceLanding, "commit_in", ignores_ok)
     res = bench_device.check(torch.device("cpu"), 2, 10, 1024, 1)
