@@ -9,6 +9,7 @@
       hang_s: {put: 5}                    # a wedged client that ignores them
       late_garbage: false                 # a hung get scribbles over its regions when it wakes (answers TIMEOUT)
       detaches: false                     # hang like Mooncake: on the caller's thread only when it is watched
+      registered_only: false              # refuse transfers touching memory never registered (RDMA)
       fail_rate: {get: 0.2}               # per key: report fail_status instead
       fail_status: UNAVAILABLE
       raise_rate: {exists: 0.01}          # per call: raise (a buggy client)
@@ -42,6 +43,14 @@ What is injected where, and why it is faithful:
     right there, and only the engine's watchdog can give up on it; any other call
     runs on a thread of the wrapper and is answered TIMEOUT at ``timeout_s``
     while it goes on (``quiescent()`` False until it ends). Fixed at start-up.
+  * ``registered_only`` declares ``needs_registration`` and refuses (INVALID,
+    counted ``unregistered``) a put or get any of whose regions lies outside the
+    memory registered through this client, as an RDMA transfer (Mooncake over
+    rdma) fails on memory never registered. With ``device_memory`` it is also the
+    CPU's stand-in for "device memory only" (MemCache's device pool copies by
+    the kind of memory it was set up for): the connector registers vLLM's KV and
+    every buffer it owns for the backend, so a region outside them is host
+    memory handed to a backend that cannot address it.
   * ``corrupt_rate`` damages the object *in the wrapped store* through its own
     test hook, so the store's integrity checks (``detects_corruption``) are what
     is exercised; ``flip_rate`` damages the bytes after a successful read, which
@@ -121,6 +130,10 @@ class FaultyOptions(BackendOptions):
         False, description="declare that the wrapped backend reads and writes device memory (with CPU tensors taken "
         "for device KV, a stand-in for Mooncake over rdma/ascend or MemCache's device pool)"
     )
+    registered_only: Bool = Field(
+        False, description="declare needs_registration and refuse (INVALID) transfers that touch memory not "
+        "registered through this client (Mooncake over rdma; with device_memory, a stand-in for device memory only)"
+    )
     down: Bool = Field(False, description="every call reports UNAVAILABLE")
     health_status: Literal["OK", "UNAVAILABLE", "TIMEOUT"] | None = Field(
         None, description="health() reports this whatever the truth (a lying health check); None: the truth"
@@ -145,7 +158,8 @@ class FaultyOptions(BackendOptions):
 
 
 #: options that may change at run time (the wrapped backend may not).
-_MUTABLE = frozenset(FaultyOptions.model_fields) - {"backend", "backend_config", "control_file", "detaches"}
+_MUTABLE = frozenset(FaultyOptions.model_fields) - {
+    "backend", "backend_config", "control_file", "detaches", "registered_only"}
 
 
 class InjectedFault(RuntimeError):
@@ -173,6 +187,8 @@ class FaultyBackend(Backend):
         self._detached = 0
         #: calls asleep in a ``hang_s`` now (tests: "answered while the call still hung")
         self.hanging = 0
+        #: memory registered through this client (``registered_only``): (start, end)
+        self._registered: list[tuple[int, int]] = []
         hooks = inner.test_hooks()
         self._corrupt_hook = getattr(hooks, "corrupt", None) if hooks is not None else None
         if options.corrupt_rate and self._corrupt_hook is None:
@@ -324,6 +340,8 @@ class FaultyBackend(Backend):
         fails = self._split(op, n)
         out = [Status[self.options.fail_status] if f else Status.OK for f in fails]
         idx = [i for i, f in enumerate(fails) if not f]
+        if regions is not None and self.options.registered_only:
+            idx = self._registered_regions(regions, idx, out)
         if op == "put" and self.options.quota_bytes:
             idx = self._within_quota(keys, regions, idx, out)
         if not idx:
@@ -352,6 +370,19 @@ class FaultyBackend(Backend):
         elif op == "remove":
             self._forget([keys[i] for i in idx if out[i] is Status.OK])
         return out
+
+    def _registered_regions(self, regions: Sequence[Sequence[Region]], idx: list[int], out: list[Status]) -> list[int]:
+        with self._lock:
+            spans = list(self._registered)
+        keep = []
+        for i in idx:
+            # (registrations may overlap or nest: any one holding the whole region will do)
+            if all(any(a <= r.addr and r.addr + r.length <= b for a, b in spans) for r in regions[i] if r.length):
+                keep.append(i)
+            else:
+                out[i] = Status.INVALID
+                self.injected["unregistered"] += 1
+        return keep
 
     def _within_quota(
         self, keys: Sequence[str], regions: Sequence[Sequence[Region]] | None, idx: list[int], out: list[Status]
@@ -412,6 +443,8 @@ class FaultyBackend(Backend):
         caps = self.inner.capabilities
         if self.options.device_memory:
             caps = dataclasses.replace(caps, device_memory=True)
+        if self.options.registered_only:
+            caps = dataclasses.replace(caps, needs_registration=True)
         if self.options.detaches:
             # Bounded by its own hand-off, except for watched callers (the engine watches those).
             return dataclasses.replace(caps, bounded_calls=True, detaches_calls=True)
@@ -421,9 +454,15 @@ class FaultyBackend(Backend):
         return self._detached == 0 and self.inner.quiescent()
 
     def register(self, regions: Sequence[Region]) -> Status:
+        with self._lock:
+            self._registered = [*self._registered, *((r.addr, r.addr + r.length) for r in regions)]
         return self.inner.register(regions)
 
     def unregister(self, regions: Sequence[Region]) -> Status:
+        # As Mooncake's unregister_buffer: by start address.
+        gone = {r.addr for r in regions}
+        with self._lock:
+            self._registered = [s for s in self._registered if s[0] not in gone]
         return self.inner.unregister(regions)
 
     def exists(self, keys: Sequence[str], timeout_s: float) -> list[Status]:

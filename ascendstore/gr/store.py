@@ -28,7 +28,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -63,6 +63,23 @@ BlockSpan = Region | Sequence[Region]
 
 def _runs(block: BlockSpan) -> list[Region]:
     return [block] if isinstance(block, Region) else list(block)
+
+
+#: ``call(regions, buffer)``: the backend's put or get over ``regions``, keeping
+#: ``buffer`` alive while the call may run; returns (statuses, running or None).
+StagedCall = Callable[[list[list[Region]], Any], tuple[list[Status], Callable[[], bool] | None]]
+
+
+class ObjectStaging(Protocol):
+    """Memory a user object's bytes pass through on their way to and from the
+    backend, when the backend must see nothing but memory the connector owns for
+    it: device KV it cannot read, host headers and records a device-memory or
+    RDMA backend cannot address, or blocks a call that overran must never touch.
+    ``transfer`` copies every region of a put into its buffer before the call
+    and a get's objects out of it only when they arrived whole and in time."""
+
+    def transfer(self, op: str, regions: list[list[Region]], call: StagedCall
+                 ) -> tuple[list[Status], Callable[[], bool] | None]: ...
 
 
 @dataclass(frozen=True)
@@ -199,6 +216,8 @@ class UserStore:
         self.clock = clock
         self.caps = backend.capabilities
         self._scratch: np.ndarray | None = None
+        #: set by the connector when the backend must see only memory it owns (None: regions go as they are)
+        self.staging: ObjectStaging | None = None
         #: host buffers lent to calls the guard stopped waiting for, kept alive until
         #: those calls really end (shared with the variants of this store)
         self._held: list[tuple[Callable[[], bool], tuple[Any, ...]]] = []
@@ -510,7 +529,16 @@ class UserStore:
         its buffers later; had they been freed, that late write lands in reused heap
         memory (seen as crashes and endless loops far away). Such buffers stay
         referenced here until the guard says the call has really ended.
+        With ``staging`` the backend is handed the staging's buffer instead (kept
+        the same way) and the regions are copied into or out of it.
         """
+        if self.staging is not None:
+            return self.staging.transfer(op, regions, lambda staged, buf: self._call(op, keys, staged, (*owners, buf)))
+        return self._call(op, keys, regions, owners)
+
+    def _call(
+        self, op: str, keys: list[str], regions: list[list[Region]], owners: Sequence[Any]
+    ) -> tuple[list[Status], Callable[[], bool] | None]:
         self._release_held()
         backend = self.backend
         hold_for = getattr(backend, "hold_for", None)

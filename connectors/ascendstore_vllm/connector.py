@@ -166,9 +166,9 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches)
         if self.gr is not None:
-            # GR stages each user object through bounded host buffers of its own (the
-            # chunk pool's are busy on its transfer threads), never a copy of the cache.
-            self.gr.register_kv_caches(kv_caches)
+            # GR stages user objects through bounded buffers of its own where it must
+            # (the chunk pool's are busy on its transfer threads), never a copy of the cache.
+            self.gr.register_kv_caches(kv_caches, on_device=self.worker.kv_on_device)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -50,7 +50,35 @@ def _pinned(nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
 
-class HostStaging:
+class HostBuffers:
+    """Pinned host buffers, one per direction of ``capacity`` bytes, handed to a
+    backend instead of the caller's memory; the base of the stagers below
+    (alone: GR's record reads on the scheduler, where there is no KV)."""
+
+    device = torch.device("cpu")
+    stream = None
+
+    def __init__(self, capacity: int, buffers: bool = True) -> None:
+        self.capacity = capacity
+        if buffers:
+            self.save_buf = self.alloc(capacity)
+            self.load_buf = self.alloc(capacity)
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """A buffer of this kind (here pinned host memory)."""
+        return _pinned(nbytes)
+
+    def device_view(self, r: Region) -> torch.Tensor | None:
+        """``r`` as a byte view of the device KV (None: not in it)."""
+        return None
+
+    def copy_all(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+        """``dst[i] <- src[i]``; returns when the copies are done."""
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)
+
+
+class HostStaging(HostBuffers):
     """Bounded pinned host buffers between device KV and a backend that cannot
     read device memory (an ``ascendstore.engine.Stager``).
 
@@ -80,25 +108,12 @@ class HostStaging:
         #: not searched for and sliced on every copy (a few µs each, per region).
         self._views: dict[tuple[int, int], torch.Tensor | None] = {}
         self.device_views = kv_caches
-        self.capacity = capacity
-        if buffers:
-            self.save_buf = self._alloc(capacity)
-            self.load_buf = self._alloc(capacity)
-
-    def _alloc(self, nbytes: int) -> torch.Tensor:
-        return _pinned(nbytes)
-
-    # -- GR user objects (ascendstore_vllm.gr.staging) ---------------------------------
-    def copy_regions(self, regions: Sequence[Region], host: torch.Tensor, to_host: bool) -> None:
-        """Copy device byte ranges to (``to_host``) or from consecutive bytes of ``host``
-        on the side stream; returns when the copies are done. Regions outside the
-        device KV (e.g. a host scratch block) only advance the position."""
-        self._copies([_Op(regions)], host, to_host)
+        super().__init__(capacity, buffers)
 
     def host_regions(self) -> list[Region]:
         return [Region(b.data_ptr(), b.numel()) for b in (self.save_buf, self.load_buf)]
 
-    def _device_slice(self, r: Region) -> torch.Tensor | None:
+    def device_view(self, r: Region) -> torch.Tensor | None:
         key = (r.addr, r.length)
         try:
             return self._views[key]
@@ -123,7 +138,7 @@ class HostStaging:
         if pos > buf.numel():
             # One object larger than the buffer (the engine cuts batches to capacity,
             # never below one object): grow rather than fail the transfer.
-            grown = self._alloc(pos)
+            grown = self.alloc(pos)
             if buf is self.save_buf:
                 self.save_buf = grown
             else:
@@ -135,7 +150,7 @@ class HostStaging:
         # Python per region is what this costs beside the bytes (a 32-layer model with K
         # and V apart has 64 regions per chunk): cached device views and every host view
         # from one split of the buffer leave one copy call per region.
-        view = self._device_slice
+        view = self.device_view
         devs: list[torch.Tensor | None] = []
         lengths: list[int] = []
         for i, op in enumerate(ops):
@@ -150,14 +165,17 @@ class HostStaging:
         host_side = [h for d, h in zip(devs, hosts, strict=True) if d is not None]
         if not dev_side:
             return
+        if to_host:
+            self.copy_all(host_side, dev_side)
+        else:
+            self.copy_all(dev_side, host_side)
+
+    def copy_all(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+        """``dst[i] <- src[i]`` on the side stream; returns when the copies are done."""
         ctx = self._mod.stream(self.stream) if self.stream is not None else _null()
         with ctx:
-            if to_host:
-                for d, h in zip(dev_side, host_side, strict=True):
-                    h.copy_(d, non_blocking=True)
-            else:
-                for d, h in zip(dev_side, host_side, strict=True):
-                    d.copy_(h, non_blocking=True)
+            for d, s in zip(dst, src, strict=True):
+                d.copy_(s, non_blocking=True)
         if self.stream is not None:
             self.stream.synchronize()
 
@@ -177,15 +195,35 @@ class HostStaging:
         """A call that overran still uses one buffer: give it to the engine to keep
         alive until the call ends, and carry on with a fresh pinned one."""
         if direction == "load":
-            old, self.load_buf = self.load_buf, self._alloc(self.capacity)
+            old, self.load_buf = self.load_buf, self.alloc(self.capacity)
             new = self.load_buf
         else:
-            old, self.save_buf = self.save_buf, self._alloc(self.capacity)
+            old, self.save_buf = self.save_buf, self.alloc(self.capacity)
             new = self.save_buf
         return old, Region(new.data_ptr(), new.numel())
 
 
-class DeviceLanding(HostStaging):
+class DeviceBuffers(HostStaging):
+    """``HostStaging``'s buffers on the KV's own device: for a backend that reads
+    and writes device memory but must not be handed vLLM's blocks (its calls may
+    outlive their deadline), or must see one kind of memory only.
+
+    Not host memory as a fallback: such a backend copies by the kind of memory it
+    was set up for (MemCache's G2L), so a pinned host buffer there is a wrong
+    copy, not a slower one. No room for a buffer is a clear error instead."""
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        except RuntimeError as exc:  # torch.OutOfMemoryError is one
+            raise RuntimeError(
+                f"AscendStore: no room on {self.device} for a {nbytes >> 20} MiB transfer buffer (a backend call "
+                f"may outlive its deadline, so it never gets vLLM's blocks); leave that much device memory free "
+                f"beside the KV cache, e.g. a lower gpu_memory_utilization ({exc})"
+            ) from exc
+
+
+class DeviceLanding(DeviceBuffers):
     """Where loads land for device KV and a backend that reads device memory
     (Mooncake over rdma/ascend, MemCache's device pool) but whose calls may
     outlive their deadline: a connector-owned buffer on the KV's own device, so
@@ -194,28 +232,20 @@ class DeviceLanding(HostStaging):
     (an ``ascendstore.engine.Stager`` for loads only; puts read the blocks).
 
     The core's host landing buffer would not do: its copy out is a host memmove,
-    and device addresses are not host memory. Nor would pinned host memory as a
-    fallback: such a backend copies by the kind of memory it was set up for
-    (MemCache's G2L). So the buffer is allocated at start-up, where no room for
-    it is a clear error, and registered with the backend through ``on_alloc``;
-    after an overrun the next load allocates a fresh one."""
+    and device addresses are not host memory. The buffer is allocated at
+    start-up, where no room for it is a clear error, and registered with the
+    backend through ``on_alloc``; after an overrun the next load allocates a
+    fresh one."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], capacity: int,
                  on_alloc: Callable[[Region], None] | None = None) -> None:
         super().__init__(kv_caches, capacity, buffers=False)
         self._on_alloc = on_alloc
         self.save_buf = None
-        self.load_buf: torch.Tensor | None = self._alloc(capacity)
+        self.load_buf: torch.Tensor | None = self.alloc(capacity)
 
-    def _alloc(self, nbytes: int) -> torch.Tensor:
-        try:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        except RuntimeError as exc:  # torch.OutOfMemoryError is one
-            raise RuntimeError(
-                f"AscendStore: no room on {self.device} for the {nbytes >> 20} MiB buffer that loads land in "
-                f"(a get may outlive its deadline); leave that much device memory free beside the KV cache, "
-                f"e.g. a lower gpu_memory_utilization ({exc})"
-            ) from exc
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        buf = super().alloc(nbytes)
         if self._on_alloc is not None:
             self._on_alloc(Region(buf.data_ptr(), buf.numel()))
         return buf
@@ -225,20 +255,13 @@ class DeviceLanding(HostStaging):
 
     def stage_in(self, ops: Sequence) -> list[list[Region]]:
         if self.load_buf is None:
-            self.load_buf = self._alloc(max(self.capacity, sum(op.nbytes for op in ops)))
+            self.load_buf = self.alloc(max(self.capacity, sum(op.nbytes for op in ops)))
         return self._host_layout(self.load_buf, ops)
 
     def detach(self, direction: str) -> tuple[object, Region | None]:
         """A get that overran still writes the buffer: hand it over; the next load allocates (and registers) anew."""
         old, self.load_buf = self.load_buf, None
         return old, None
-
-
-class _Op:
-    """One object's device regions (what ``_copies`` walks)."""
-
-    def __init__(self, regions: Sequence[Region]) -> None:
-        self.regions = regions
 
 
 class _null:

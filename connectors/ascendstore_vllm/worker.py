@@ -178,7 +178,7 @@ class AscendStoreWorker:
         device = tensors[0].device
         caps = self.guard.capabilities
         self.sync = DeviceSync(device)
-        on_device = device.type != "cpu" or self.treat_kv_as_device
+        on_device = self.kv_on_device = device.type != "cpu" or self.treat_kv_as_device
         if on_device and not caps.device_memory:
             # The backend cannot read device memory: go through pinned host buffers, in batches.
             self.staging = HostStaging(kv_caches, self.ctx.config.staging_buffer_bytes)
@@ -210,7 +210,9 @@ class AscendStoreWorker:
         span = max(off + n for lay in self.layout.layers for off, n in lay.runs)
         self._scratch = torch.empty(span, dtype=torch.uint8, device=device)
         if caps.needs_registration or caps.zero_copy:
-            regions = self.staging.host_regions() if self.staging else self.layout.registration_regions()
+            # The scratch block is read into as any block is (leading blocks the device holds).
+            regions = (self.staging.host_regions() if self.staging else
+                       [*self.layout.registration_regions(), Region(self._scratch.data_ptr(), span)])
             st = self.guard.register(regions)
             if st is not Status.OK:
                 log.warning("backend register() returned %s; transfers may fail and be recomputed", st.name)

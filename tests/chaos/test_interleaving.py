@@ -53,6 +53,7 @@ TIMEOUT_MS = 150
 MAX_HANG_S = 0.4
 #: blocks of a finished request are back within this (see the module doc).
 BOUND_S = TIMEOUT_MS / 1000 + MAX_HANG_S + 1.5
+DEVICE = {"detaches": True, "device_memory": True, "registered_only": True}
 MODES = {
     "plain": ({}, {}),
     "async": ({"load_async": True}, {}),
@@ -63,10 +64,12 @@ MODES = {
     "plain-as": ({}, {"async_scheduling": True}),
     "async-as": ({"load_async": True}, {"async_scheduling": True}),
     "layerwise-as": ({"use_layerwise": True}, {"async_scheduling": True}),
-    # KV "on a device" that a client like Mooncake's reads (CPU tensors stand in):
-    # loads land in the device landing buffer, hung calls detach.
-    "plain-device": ({"detaches": True, "device_memory": True}, {}),
-    "layerwise-device": ({"use_layerwise": True, "detaches": True, "device_memory": True}, {}),
+    # KV "on a device" that a client like Mooncake's over rdma reads (CPU tensors
+    # stand in): loads land in the device landing buffer (GR: user objects go
+    # through device buffers), hung calls detach, only registered memory is taken.
+    "plain-device": ({**DEVICE}, {}),
+    "layerwise-device": ({"use_layerwise": True, **DEVICE}, {}),
+    "gr-device": ({"gr": {"enabled": True}, **DEVICE}, {}),
 }
 
 
@@ -170,9 +173,11 @@ def _prompt(rng: random.Random, shared: list[list[int]]) -> list[int]:
 def test_random_interleavings_release_blocks_once_and_load_exact(mode, monkeypatch):
     extra_mode, spec_kw = MODES[mode]
     if mode.endswith("-device"):
+        from ascendstore_vllm.gr.wiring import GRAttachment
         from ascendstore_vllm.worker import AscendStoreWorker
 
         monkeypatch.setattr(AscendStoreWorker, "treat_kv_as_device", True)
+        monkeypatch.setattr(GRAttachment, "treat_kv_as_device", True)
     name = pool_name(f"mix-{mode}")
     extra = faulty_extra(name, checksum=False, capacity="8MiB", timeout_ms=TIMEOUT_MS, lookup_timeout_ms=100,
                          **extra_mode)
@@ -195,7 +200,7 @@ def test_random_interleavings_release_blocks_once_and_load_exact(mode, monkeypat
                 if tag == "b":
                     eng.scheduler.reset_prefix_cache()
                 for i in range(rng.randint(2, 5)):
-                    if mode == "gr":
+                    if mode.startswith("gr"):
                         run.add(f"{tag}{rnd}-{i}", *_gr_request(rng, users))
                     else:
                         p = _prompt(rng, shared)
@@ -225,10 +230,16 @@ def test_random_interleavings_release_blocks_once_and_load_exact(mode, monkeypat
                 counts["aborted"] += len(run.aborted)
             assert worst <= BOUND_S, f"seed {seed}: blocks came back {worst:.2f}s after the request ended"
         counts["hit_tokens"] = int(b.stats_total().get("lookup_hit_tokens", 0))
-        if mode == "gr":
+        if mode.endswith("-device"):
+            refused = sum(x.injected["unregistered"] for x in live_backends())
+            assert refused == 0, f"seed {seed}: {refused} transfers touched memory the backend cannot address"
+        if mode.startswith("gr"):
             gr = b.connector.gr.totals()
             counts["gr_dram_hits"] = int(gr.get("dram_hits", 0))
-            counts["gr_swapin_successes"] = int(gr.get("swapin_successes", 0))
+            # (swap-ins are counted by the workers, rank 0 for all)
+            done = b.workers[0].connector.gr.totals()
+            counts["gr_swapin_attempts"] = int(done.get("swapin_attempts", 0))
+            counts["gr_swapin_successes"] = int(done.get("swapin_successes", 0))
         report(f"interleaving_{mode}", seed=seed, rounds=ROUNDS, worst_release_s=round(worst, 3),
                bound_s=BOUND_S, **counts)
     finally:

@@ -39,8 +39,16 @@ DETACHING = {f"{m}-detaches": {**kw, "detaches": True} for m, kw in MODES.items(
 #: the same with KV "on a device" the backend reads (Mooncake over rdma/ascend,
 #: MemCache's device pool): CPU tensors stand in for device memory, so a host
 #: copy into them would not crash here as it would on an NPU; ``scatter`` (the
-#: host landing buffer's copy out) is made to fail the test instead.
-DEVICE = {f"{m}-device": {**kw, "detaches": True, "device_memory": True} for m, kw in MODES.items()}
+#: host landing buffer's copy out) is made to fail the test instead. The backend
+#: takes registered memory only (``registered_only``, as RDMA): vLLM's KV, the
+#: scratch block and the landing buffers must all have been registered.
+DEVICE_FAULTS = {"detaches": True, "device_memory": True, "registered_only": True}
+DEVICE = {f"{m}-device": {**kw, **DEVICE_FAULTS} for m, kw in MODES.items()}
+
+
+def _refused() -> int:
+    """Transfers the backend refused for touching memory never registered."""
+    return sum(b.injected["unregistered"] for b in live_backends())
 
 
 def _set(**changes) -> None:
@@ -146,6 +154,7 @@ def test_late_get_never_writes_vllm_blocks(mode, monkeypatch):
             from ascendstore_vllm.device import DeviceLanding
 
             assert host_copies == [], "a load was copied into device KV by a host memmove"
+            assert _refused() == 0, "a transfer touched memory the backend cannot address"
             assert all(isinstance(w.engine.landing, DeviceLanding) for w in _workers(eng))
             assert stats.get("load_buffers_retired", 0) >= 1, "no load landed in the device buffer"
         report(f"ownership_late_get_{mode}", late_writes=injected, reuse_rounds=k,
@@ -319,17 +328,30 @@ def _set_workers(**changes) -> None:
             b.set_faults(**changes)
 
 
-def test_gr_late_get_never_writes_vllm_blocks():
+@pytest.mark.parametrize("kv", ["host", "device"])
+def test_gr_late_get_never_writes_vllm_blocks(kv, monkeypatch):
     """GR swap-ins from a backend that may outlive its deadline land in buffers of
     their own: a hung get's late garbage never reaches vLLM's blocks.
+
+    ``device``: KV taken for device KV and a backend that reads device memory and
+    registered memory only (the ``-device`` faults above): the buffers are on the
+    device, registered, retired while the hung gets run, and let go after.
 
     Only the workers' gets hang: a hung scheduler would miss at lookup and plan no
     swap-in at all (then nothing reads into vLLM's blocks, fixed or not). The test
     checks that the swap-ins really ran into the hung gets, so it fails when GR
     gets are given vLLM's blocks directly (gr/staging.py's buffers of their own
     bypassed)."""
+    faults = {}
+    if kv == "device":
+        from ascendstore_vllm.gr import wiring
+        from ascendstore_vllm.worker import AscendStoreWorker
+
+        monkeypatch.setattr(wiring.GRAttachment, "treat_kv_as_device", True)
+        monkeypatch.setattr(AscendStoreWorker, "treat_kv_as_device", True)
+        faults = DEVICE_FAULTS
     name = pool_name("own-gr")
-    extra = faulty_extra(name, checksum=False, timeout_ms=TIMEOUT_MS, gr={"enabled": True})
+    extra = faulty_extra(name, checksum=False, timeout_ms=TIMEOUT_MS, gr={"enabled": True}, **faults)
     eng = EngineHarness(EngineSpec(extra_config=extra, num_blocks=96))
     hist = prompts(3, blocks=5, tail=0, seed=31)
     cands = prompts(12, blocks=1, tail=0, seed=32)
@@ -369,7 +391,14 @@ def test_gr_late_get_never_writes_vllm_blocks():
         ask("z", 2)  # the fast path is back: the pool serves every user again, whole
         after = eng.stats_total()
         assert after.get("gr_swapin_successes", 0) - during.get("gr_swapin_successes", 0) == len(hist)
-        report("ownership_late_get_gr", late_writes=injected, reuse_rounds=k, swapins=attempts)
+        staging = eng.workers[0].connector.gr.staging
+        if kv == "device":
+            from ascendstore_vllm.device import DeviceBuffers
+
+            assert _refused() == 0, "a transfer touched memory the backend cannot address"
+            assert type(staging.buffers) is DeviceBuffers
+        assert staging.retired() == 0, "a buffer of a hung get was never let go"
+        report(f"ownership_late_get_gr_{kv}", late_writes=injected, reuse_rounds=k, swapins=attempts)
     finally:
         _set(hang_s={}, late_garbage=False)
         eng.close()

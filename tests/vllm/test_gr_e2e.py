@@ -425,15 +425,18 @@ def test_gr_staging_is_bounded_while_the_kv_cache_is_many_times_larger(pool, eng
     """A backend that cannot read device memory gets user objects through bounded host
     staging (staging_buffer_bytes per direction), not a host copy of the whole KV cache."""
     from ascendstore_vllm.gr import wiring
+    from ascendstore_vllm.worker import AscendStoreWorker
 
-    monkeypatch.setattr(wiring.GRAttachment, "force_staging", True)  # the device path, on CPU KV
+    # the device path, on CPU KV
+    monkeypatch.setattr(wiring.GRAttachment, "treat_kv_as_device", True)
+    monkeypatch.setattr(AscendStoreWorker, "treat_kv_as_device", True)
     staging = 32 << 10
     allocs = HostAllocs()
     real_register = wiring.GRAttachment.register_kv_caches
 
-    def register(self, kv_caches):
+    def register(self, kv_caches, **kw):
         with allocs.mode():
-            real_register(self, kv_caches)
+            real_register(self, kv_caches, **kw)
         for name in ("start_load", "save", "get_finished"):
             allocs.wrap(self, name)
 
@@ -454,6 +457,43 @@ def test_gr_staging_is_bounded_while_the_kv_cache_is_many_times_larger(pool, eng
     assert (st["swapin_attempts"], st["swapin_successes"]) == (1, 1)
     # two engines, each: two staging buffers, plus small per-transfer scratch
     assert 0 < allocs.bytes <= 2 * (2 * staging) + (64 << 10), (allocs.bytes, kv_bytes)
+
+
+def test_a_device_memory_backend_is_handed_only_memory_it_can_address(pool, engines, monkeypatch):
+    """KV on a device and a backend that reads device memory, and registered memory
+    only, with calls that may outlive their deadline (Mooncake over rdma, MemCache's
+    device pool). A user object is a host header plus KV blocks, its token record
+    host memory: handed over as they are, RDMA fails on the unregistered host
+    memory and a device-memory copy takes host addresses for device ones. Every
+    object must reach the backend in a buffer the connector owns, on the KV's
+    device and registered. ``faulty``'s ``registered_only`` refuses, and counts,
+    any transfer touching other memory (CPU tensors stand in for the device)."""
+    from ascendstore_vllm.device import DeviceBuffers
+    from ascendstore_vllm.gr import wiring
+    from ascendstore_vllm.worker import AscendStoreWorker
+
+    from ascendstore.chaos import live_backends
+
+    monkeypatch.setattr(wiring.GRAttachment, "treat_kv_as_device", True)
+    monkeypatch.setattr(AscendStoreWorker, "treat_kv_as_device", True)
+    inner = {"backend": "local", "backend_config": {"name": pool, "capacity": "16MiB", "page_size": "4KiB"}}
+    s = spec(pool, extra={"backend": "faulty", "backend_config": {
+        **inner, "device_memory": True, "registered_only": True, "detaches": True}})
+    a = engines(s)
+    ask(a, "a1", "u1", cand=1)
+    a.run()
+    b = engines(s)  # a fresh device: the history comes from the pool
+    p = ask(b, "b1", "u1", cand=2)
+    b.run()
+    refused = sum(x.injected["unregistered"] for x in live_backends())
+    assert refused == 0, f"{refused} transfers touched memory the backend cannot address"
+    assert b.first_schedule("b1") == (HIST, CAND)
+    assert_kv_exact(b, "b1", p)
+    st = gr_stats(b)
+    assert (st["swapin_attempts"], st["swapin_successes"]) == (1, 1)
+    for e in (a, b):
+        staging = e.workers[0].connector.gr.staging
+        assert staging is not None and type(staging.buffers) is DeviceBuffers
 
 
 def test_adapter_and_multimodal_identity_are_part_of_the_user_keys(pool, engines):

@@ -14,9 +14,16 @@ import random
 import pytest
 import torch
 from ascendstore_vllm import device
-from ascendstore_vllm.device import DeviceLanding, HostStaging, _Op
+from ascendstore_vllm.device import DeviceLanding, HostStaging
 
 from ascendstore.contract import Region
+
+
+class _Op:
+    """One object's device regions, as the engine hands them to a stager."""
+
+    def __init__(self, regions: list[Region]) -> None:
+        self.regions = regions
 
 
 def _kv() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -149,5 +156,5 @@ def test_device_landing_without_room_on_the_device_is_a_clear_error(monkeypatch)
         return real_empty(*args, **kwargs)
 
     monkeypatch.setattr(torch, "empty", empty)
-    with pytest.raises(RuntimeError, match=r"no room on cpu for the 2 MiB buffer that loads land in.*gpu_memory_util"):
+    with pytest.raises(RuntimeError, match=r"no room on cpu for a 2 MiB transfer buffer.*gpu_memory_util"):
         DeviceLanding(kv, 2 << 20)

@@ -41,10 +41,20 @@ def test_staged_transfers_in_bounded_batches(pool_root, monkeypatch, mode):
         b.close()
 
 
-def test_multi_block_chunks_partly_on_device(pool_root):
+@pytest.mark.parametrize("kv", ["host", "device"])
+def test_multi_block_chunks_partly_on_device(pool_root, kv, monkeypatch):
     """chunk_size = 2 blocks; the device already holds the first block of a pooled
-    chunk: the chunk is read whole, that block into scratch, never into vLLM's cache."""
+    chunk: the chunk is read whole, that block into scratch, never into vLLM's cache.
+
+    ``device``: KV taken for device KV, and a backend that reads device memory and
+    registered memory only (``faulty``'s ``registered_only``, as RDMA) but may
+    outlive its deadline: the chunk lands whole in the device landing buffer,
+    which must be registered, and only its wanted block goes on into the cache."""
     cfg = pool_config(pool_root, chunk_size=32)
+    if kv == "device":
+        monkeypatch.setattr(AscendStoreWorker, "treat_kv_as_device", True)
+        inner = {"backend": cfg.pop("backend"), "backend_config": cfg.pop("backend_config")}
+        cfg.update(backend="faulty", backend_config={**inner, "device_memory": True, "registered_only": True})
     a = EngineHarness(EngineSpec(extra_config=cfg))
     b = EngineHarness(EngineSpec(extra_config=cfg))
     try:
@@ -59,6 +69,10 @@ def test_multi_block_chunks_partly_on_device(pool_root):
         assert b.stats_total()["load_ops"] == 4
         assert exact(b, "b", PROMPT[:128] + [7, 7, 7]) and exact(b, "warm", PROMPT[:20])
         assert b.read_errors() == []
+        if kv == "device":
+            from ascendstore.chaos import live_backends
+
+            assert sum(x.injected["unregistered"] for x in live_backends()) == 0
     finally:
         a.close()
         b.close()

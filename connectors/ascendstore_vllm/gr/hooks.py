@@ -281,9 +281,9 @@ class GRWorkerHooks:
 
     ``block_regions(block_ids)`` gives, per layer, the byte runs of each block
     (the connector derives it from vLLM's KV views). ``before_save(block_ids)``
-    makes the forward's writes visible (a device sync). ``staging`` (a
-    ``GRStaging``), when the backend cannot read device memory, moves each user
-    object through bounded host buffers.
+    makes the forward's writes visible (a device sync). Where the backend must
+    not be handed vLLM's memory as it is, the store's ``staging`` moves each user
+    object through buffers of the connector's (``ascendstore_vllm.gr.staging``).
 
     With ``load_async`` the swap-ins of a step run on one transfer thread while
     the forward goes on (vLLM holds those requests in WAITING_FOR_REMOTE_KVS);
@@ -295,7 +295,6 @@ class GRWorkerHooks:
         self.count_stats = count_stats  # one rank counts swap-ins, so sums stay per request
         self.block_regions: BlockRegions | None = None
         self.before_save: Callable[[list[int]], None] = lambda block_ids: None
-        self.staging: Any = None
         self.load_async = load_async
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: dict[str, Future[set[int]]] = {}  # req id -> its async swap-in
@@ -362,7 +361,7 @@ class GRWorkerHooks:
             return store.load_kv(ld.uid, ld.generations[rank], ld.kv_blocks, spans, tenant=ld.tenant)
 
         try:
-            st = read(layer_blocks) if self.staging is None else self.staging.load(layer_blocks, read)
+            st = read(layer_blocks)
         except Exception:  # a bug must not take the engine down: recompute instead
             log.exception("GR swap-in of user %s failed", ld.uid)
             st = Status.INVALID
@@ -390,7 +389,7 @@ class GRWorkerHooks:
 
             try:
                 regions = self.block_regions(sv.block_ids)
-                st = write(regions) if self.staging is None else self.staging.save(regions, write)
+                st = write(regions)
             except Exception:
                 log.exception("GR save of user %s failed", sv.uid)
                 st = Status.INVALID

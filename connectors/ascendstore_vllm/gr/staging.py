@@ -1,18 +1,28 @@
-"""Bounded host staging for GR user objects on a device the backend cannot read.
+"""GR user objects through connector-owned buffers (``UserStore.staging``).
 
-The chunk pool moves device KV through ``HostStaging``'s two pinned buffers of
-``staging_buffer_bytes`` each; GR does the same with a pair of its own (the
-chunk pool's buffers are in use by its transfer threads at any time). One user
-object is staged at a time: its device blocks are copied into the buffer, the
-backend reads or writes the buffer, and a load is copied back to the device
-only when the backend returned it whole. Host memory is therefore bounded by
-the two buffers, whatever the size of the KV cache. A user history larger than
-a buffer goes through a temporary buffer of its size, released after the
-transfer (logged once: raise ``staging_buffer_bytes`` or use ``use_layerwise``).
+A user object is a header (host memory the store writes and checks) followed by
+KV blocks (vLLM's, on the device). Handed to the backend as they are, those
+regions would be wrong in three deployments: a backend that cannot read device
+memory (the KV), a backend that reads only device memory or only registered
+memory (MemCache's device pool, Mooncake over rdma: the host header, record and
+scratch block), and a backend whose calls may outlive their deadline (vLLM's
+blocks, once given back). Here every region of a put is copied into one buffer
+of the kind the backend reads (pinned host or the KV's device, registered where
+the backend needs it) and the backend sees only that buffer; a get lands there
+and its objects are copied out only when they arrived whole and in time.
+
+Memory is bounded by one buffer per direction of ``staging_buffer_bytes``,
+whatever the size of the KV cache. An object larger than that goes through a
+buffer of its size, released after the transfer (logged once: raise
+``staging_buffer_bytes`` or use ``use_layerwise``). A buffer whose call overran
+is retired until that call ends (registration included) and the next transfer
+gets a fresh one; with ``MAX_RETIRED`` retired, transfers fail fast (a
+recompute) rather than allocate without bound.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -20,109 +30,144 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ascendstore.contract import Region, Status
-from ascendstore.gr.store import BlockSpan
-from ascendstore_vllm.device import HostStaging
+from ascendstore.gr.store import StagedCall
+from ascendstore_vllm.device import HostBuffers
 
 log = logging.getLogger(__name__)
 
-LayerBlocks = Sequence[Sequence[BlockSpan | None]]
+#: buffers calls still running may use; past this, transfers fail fast.
+MAX_RETIRED = 4
+
+Running = Callable[[], bool]
 
 
-def _runs(span: BlockSpan) -> list[Region]:
-    return [span] if isinstance(span, Region) else list(span)
-
-
-#: landing buffers a call still running may use; past this, transfers fail fast.
-MAX_LENT = 4
+def _host_view(r: Region) -> torch.Tensor:
+    """Host memory at ``r`` (a header, a record, the scratch block) as a byte tensor."""
+    return torch.frombuffer((ctypes.c_ubyte * r.length).from_address(r.addr), dtype=torch.uint8)
 
 
 class GRStaging:
-    def __init__(self, kv_caches: dict[str, torch.Tensor], capacity: int,
-                 late_calls: Callable[[], bool] | None = None) -> None:
-        self.host = HostStaging(kv_caches, capacity)
-        self.capacity = capacity
-        self._locks = {"save": threading.Lock(), "load": threading.Lock()}
+    """An ``ascendstore.gr.store.ObjectStaging`` over ``buffers`` (``HostStaging``
+    or ``DeviceBuffers``: the kind of memory, the KV's views, the side stream;
+    ``HostBuffers`` where there is no KV).
+
+    ``register``/``unregister`` (the backend's, when it needs registration) are
+    called for every buffer handed to it and when one is let go."""
+
+    def __init__(self, buffers: HostBuffers, register: Callable[[list[Region]], Status] | None = None,
+                 unregister: Callable[[list[Region]], Status] | None = None) -> None:
+        self.buffers = buffers
+        self.capacity = buffers.capacity
+        self._register, self._unregister = register, unregister
+        self._bufs: dict[str, torch.Tensor | None] = {"put": buffers.save_buf, "get": buffers.load_buf}
+        for buf in self._bufs.values():
+            assert buf is not None
+            self._registered(buf)
+        self._locks = {"put": threading.Lock(), "get": threading.Lock()}
+        self._lock = threading.Lock()
+        self._retired: list[tuple[torch.Tensor, Running]] = []
         self._warned = False
-        #: with a backend whose calls may outlive their deadline: True while some call
-        #: may still be running. Each transfer then gets a buffer of its own, kept
-        #: until no call is late, so a late get never lands in vLLM's blocks or in a
-        #: buffer reused by the next transfer, and a late put never reads one.
-        self._late_calls = late_calls
-        self._lent: list[torch.Tensor] = []
 
-    def host_regions(self) -> list[Region]:
-        """The staging buffers (to register with backends that need it)."""
-        return self.host.host_regions()
-
-    def _layout(self, layer_blocks: LayerBlocks, buf: torch.Tensor) -> tuple[list[list[BlockSpan | None]], list[Region]]:
-        """Host spans of the same shape as ``layer_blocks`` at consecutive bytes of
-        ``buf``, and the device regions in that order."""
-        base, pos = buf.data_ptr(), 0
-        out: list[list[BlockSpan | None]] = []
-        flat: list[Region] = []
-        for layer in layer_blocks:
-            row: list[BlockSpan | None] = []
-            for span in layer:
-                if span is None:
-                    row.append(None)
-                    continue
-                runs = []
-                for r in _runs(span):
-                    runs.append(Region(base + pos, r.length))
-                    flat.append(r)
-                    pos += r.length
-                row.append(runs)
-            out.append(row)
-        return out, flat
-
-    def _own_buffer(self, nbytes: int) -> torch.Tensor | None:
-        """A fresh buffer for one transfer (None: all spares held by stuck calls)."""
-        assert self._late_calls is not None
-        if not self._late_calls():
-            self._lent.clear()
-        if len(self._lent) >= MAX_LENT:
-            return None
-        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
-        self._lent.append(buf)
+    # -- buffers ----------------------------------------------------------------------
+    def _registered(self, buf: torch.Tensor) -> torch.Tensor:
+        if self._register is not None:
+            st = self._register([Region(buf.data_ptr(), buf.numel())])
+            if st is not Status.OK:
+                log.warning("GR staging register() returned %s; transfers may fail and be recomputed",
+                            Status(st).name)
         return buf
 
-    def _buffer(self, which: str, nbytes: int) -> torch.Tensor | None:
-        if self._late_calls is not None:
-            return self._own_buffer(nbytes)
-        buf = self.host.save_buf if which == "save" else self.host.load_buf
-        if nbytes <= buf.numel():
-            return buf
-        if not self._warned:
-            self._warned = True
-            log.warning(
-                "GR user object of %d bytes exceeds staging_buffer_bytes (%d): staged through a temporary "
-                "host buffer (raise staging_buffer_bytes, or use_layerwise for per-layer objects)",
-                nbytes, buf.numel(),
-            )
-        return torch.empty(nbytes, dtype=torch.uint8)
+    def _let_go(self, buf: torch.Tensor) -> None:
+        if self._unregister is not None:
+            self._unregister([Region(buf.data_ptr(), buf.numel())])
 
-    @staticmethod
-    def _nbytes(layer_blocks: LayerBlocks) -> int:
-        return sum(r.length for layer in layer_blocks for span in layer if span is not None for r in _runs(span))
+    def _reap(self) -> int:
+        """Let go of retired buffers whose calls have ended; returns how many are left."""
+        with self._lock:
+            ended, kept = [], []
+            for b, running in self._retired:
+                (ended if running() else kept).append((b, running))
+            self._retired = kept
+            left = len(kept)
+        for b, _ in ended:
+            self._let_go(b)
+        return left
 
-    def save(self, layer_blocks: LayerBlocks, write: Callable[[LayerBlocks], Status]) -> Status:
-        """Stage the device blocks out, then ``write`` the host copy."""
-        with self._locks["save"]:
-            buf = self._buffer("save", self._nbytes(layer_blocks))
-            if buf is None:
-                return Status.TIMEOUT
-            spans, flat = self._layout(layer_blocks, buf)
-            self.host.copy_regions(flat, buf, to_host=True)
-            return write(spans)
+    def retired(self) -> int:
+        return self._reap()
 
-    def load(self, layer_blocks: LayerBlocks, read: Callable[[LayerBlocks], Status]) -> Status:
-        """``read`` into the host buffer, then copy to the device blocks if it succeeded."""
-        with self._locks["load"]:
-            buf = self._buffer("load", self._nbytes(layer_blocks))
-            if buf is None:
-                return Status.TIMEOUT
-            spans, flat = self._layout(layer_blocks, buf)
-            st = read(spans)
-            if st is Status.OK:
-                self.host.copy_regions(flat, buf, to_host=False)
-            return st
+    def _take(self, op: str, nbytes: int) -> tuple[torch.Tensor, bool] | None:
+        """(buffer, temporary) for one transfer; None: none may be had now."""
+        if self._reap() >= MAX_RETIRED:
+            return None
+        try:
+            buf = self._bufs[op]
+            if buf is None:  # the last one was retired under a late call
+                buf = self._bufs[op] = self._registered(self.buffers.alloc(self.capacity))
+            if nbytes <= buf.numel():
+                return buf, False
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "GR user object of %d bytes exceeds staging_buffer_bytes (%d): staged through a temporary "
+                    "buffer (raise staging_buffer_bytes, or use_layerwise for per-layer objects)",
+                    nbytes, buf.numel(),
+                )
+            return self._registered(self.buffers.alloc(nbytes)), True
+        except RuntimeError:  # no room (e.g. on the device): this transfer fails, vLLM recomputes
+            log.warning("GR staging: no buffer for a %d-byte user object; recomputing", nbytes, exc_info=True)
+            return None
+
+    # -- copies -----------------------------------------------------------------------
+    def _views(self, regions: Sequence[Region]) -> list[torch.Tensor]:
+        view = self.buffers.device_view
+        out = []
+        for r in regions:
+            if r.length:
+                v = view(r)
+                out.append(_host_view(r) if v is None else v)
+        return out
+
+    def _copy(self, objects: Sequence[Sequence[Region]], buf: torch.Tensor, to_buf: bool) -> None:
+        theirs = self._views([r for rs in objects for r in rs])
+        if not theirs:
+            return
+        mine = buf[: sum(v.numel() for v in theirs)].split([v.numel() for v in theirs])
+        if to_buf:
+            self.buffers.copy_all(mine, theirs)
+        else:
+            self.buffers.copy_all(theirs, mine)
+
+    # -- the transfer -----------------------------------------------------------------
+    def transfer(self, op: str, regions: list[list[Region]], call: StagedCall
+                 ) -> tuple[list[Status], Running | None]:
+        sizes = [sum(r.length for r in rs) for rs in regions]
+        with self._locks[op]:
+            got = self._take(op, sum(sizes))
+            if got is None:
+                return [Status.TIMEOUT] * len(regions), None
+            buf, temporary = got
+            base, staged, pos = buf.data_ptr(), [], 0
+            for n in sizes:
+                staged.append([Region(base + pos, n)])
+                pos += n
+            if op == "put":
+                self._copy(regions, buf, to_buf=True)
+            statuses, running = call(staged, buf)
+            if running is not None:
+                # The call goes on with the buffer: retire it until it ends.
+                with self._lock:
+                    self._retired.append((buf, running))
+                if not temporary:
+                    self._bufs[op] = None
+                return statuses, running
+            if op == "get":
+                pos = 0
+                for rs, n, st in zip(regions, sizes, statuses, strict=True):
+                    if st is Status.OK:
+                        self._copy([rs], buf[pos:], to_buf=False)
+                    pos += n
+            if temporary:
+                self._let_go(buf)
+            return statuses, None
+

@@ -114,7 +114,15 @@ class GRAttachment:
         # every rank saves and loads its own objects; rank 0 speaks for all in the counters
         counted = self.stats if is_scheduler or rank == 0 else GRStats()
         store = build_user_store(ctx, "scheduler" if is_scheduler else "worker", counted, backend)
+        self.staging: GRStaging | None = None
         if is_scheduler:
+            if store.caps.needs_registration:
+                # Its record reads and writes go through registered host buffers (RDMA).
+                from ascendstore_vllm.device import HostBuffers
+
+                self.staging = store.staging = GRStaging(
+                    HostBuffers(ctx.config.staging_buffer_bytes), store.backend.register,
+                    getattr(store.backend, "backend", store.backend).unregister)
             self.sched = GRSchedulerHooks(
                 store, config=ctx.config.gr, block_size=ctx.block_size,
                 bytes_per_block=bytes_per_block(ctx, kv_cache_config), default_tenant=ctx.config.tenant,
@@ -122,7 +130,6 @@ class GRAttachment:
             )
         else:
             self.worker = GRWorkerHooks(store, count_stats=rank == 0, load_async=ctx.config.load_async)
-        self.staging: GRStaging | None = None
 
     @property
     def store(self) -> UserStore:
@@ -170,32 +177,38 @@ class GRAttachment:
         return self.sched.delete_user(uid, cache_salt)
 
     # -- worker side ------------------------------------------------------------------
-    #: stage through host buffers even for CPU KV (tests exercise the device path with it)
-    force_staging = False
+    #: take CPU KV for device KV (tests run the device paths with it)
+    treat_kv_as_device = False
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Map block ids to vLLM's KV bytes. A backend that cannot read device memory
-        gets each user object through bounded host staging (``staging_buffer_bytes``
-        per direction, as the chunk pool), never a host copy of the whole KV cache."""
-        from ascendstore.contract import Status
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], on_device: bool | None = None) -> None:
+        """Map block ids to vLLM's KV bytes, and decide what the backend is handed.
+
+        ``on_device``: the KV is device memory (default: its tensors' device is not
+        the CPU, or ``treat_kv_as_device``). User objects go through
+        connector-owned buffers (``GRStaging``, ``staging_buffer_bytes`` per
+        direction, never a copy of the whole KV cache) unless the backend may
+        be given the caller's memory as it is: host KV, calls that never outlive
+        their deadline, no registration needed."""
         from ascendstore.engine import KVLayout, LayerSpan
-        from ascendstore_vllm.device import DeviceSync
+        from ascendstore_vllm.device import DeviceBuffers, DeviceSync, HostStaging
 
         assert self.worker is not None
         device = next(iter(kv_caches.values())).device
+        if on_device is None:
+            on_device = device.type != "cpu" or self.treat_kv_as_device
+        caps = self.store.caps
         guard = self.store.backend
-        # A backend whose calls may outlive their deadline never gets vLLM's blocks:
-        # GR objects go through connector-owned buffers (docs/failure-semantics.md).
+        # A backend whose calls may outlive their deadline never gets vLLM's blocks
+        # (docs/failure-semantics.md); one that needs registration gets only
+        # registered memory, one that reads device memory only device memory.
         direct = bool(getattr(guard, "direct", True))
-        late = None if direct else (lambda: guard.stuck_calls > 0 or not guard.backend.quiescent())
-        if ((device.type != "cpu" or self.force_staging) and not self.store.caps.device_memory) or not direct:
-            self.staging = GRStaging(kv_caches, self.ctx.config.staging_buffer_bytes, late)
-            self.worker.staging = self.staging
-            if self.store.caps.needs_registration:
-                st = self.store.backend.register(self.staging.host_regions())
-                if st is not Status.OK:
-                    log.warning("GR staging register() returned %s; transfers may fail and be recomputed",
-                                Status(st).name)
+        if on_device or not direct or caps.needs_registration:
+            kind = DeviceBuffers if on_device and caps.device_memory else HostStaging
+            registers = caps.needs_registration or caps.zero_copy
+            self.staging = GRStaging(kind(kv_caches, self.ctx.config.staging_buffer_bytes),
+                                     guard.register if registers else None,
+                                     getattr(guard, "backend", guard).unregister if registers else None)
+            self.store.staging = self.staging
         sync = DeviceSync(device)
         self.worker.before_save = lambda block_ids: sync.synchronize()
         layout = KVLayout([
