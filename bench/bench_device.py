@@ -16,7 +16,12 @@ connector's worker builds it. It checks, exiting 1 if any check fails:
 2. **device landing** (a backend that reads device memory but may outlive a
    call: Mooncake over rdma/ascend, MemCache's device pool): the landing buffer
    is on the KV's device and ``commit_in`` copies the objects marked ok, and
-   only those, into the blocks.
+   only those, into the blocks;
+3. **GR user objects through device buffers** (GR with such a backend): an
+   object of a host header and device KV blocks goes through ``GRStaging`` over
+   ``DeviceBuffers``; the buffer the backend is handed (on the device) holds the
+   header and the blocks, and a get brings back the objects that arrived, and
+   only those, header included.
 
 Then it times, interleaved round by round on the wall clock: the staged save
 and load against one copy of the same bytes between the device and pinned host
@@ -36,9 +41,11 @@ import uuid
 
 os.environ.setdefault("BENCH_CLOCK", "wall")  # device copies end on the device, not in this thread's CPU time
 
+import numpy as np
 import torch
 import typer
-from ascendstore_vllm.device import DeviceLanding, HostStaging
+from ascendstore_vllm.device import DeviceBuffers, DeviceLanding, HostStaging
+from ascendstore_vllm.gr.staging import GRStaging
 from harness import Stat, env_info, gbps_sampler, interleave, ratios, stat
 from rich.console import Console
 from rich.table import Table
@@ -146,6 +153,46 @@ def check(device: torch.device, layers: int, blocks: int, block_bytes: int, run:
         pos += o.nbytes
     results["landing: ok objects copied, the others untouched"] = bool(torch.equal(_device_bytes(kv, objs),
                                                                               torch.cat(expect)))
+    results.update(gr_check(device, kv, objs))
+    return results
+
+
+def gr_check(device: torch.device, kv: dict[str, torch.Tensor], objs: list[_Object]) -> dict:
+    """User objects (a 64-byte host header, then device blocks) through device buffers and back."""
+    headers = [np.random.default_rng(10 + i).integers(0, 256, 64, dtype=np.uint8) for i in range(len(objs))]
+    objects = [[Region(h.ctypes.data, h.nbytes), *o.regions] for h, o in zip(headers, objs, strict=True)]
+    want = [np.concatenate([h, _device_bytes(kv, [o]).numpy()]) for h, o in zip(headers, objs, strict=True)]
+    staging = GRStaging(DeviceBuffers(kv, sum(len(w) for w in want)))
+    stored: list[np.ndarray] = []
+    handed: list[torch.device] = []
+
+    def put(staged: list[list[Region]], buf: torch.Tensor):
+        handed.append(buf.device)
+        base = buf.data_ptr()
+        stored[:] = [buf[rs[0].addr - base : rs[0].addr - base + rs[0].length].cpu().numpy().copy() for rs in staged]
+        return [Status.OK] * len(staged), None
+
+    staging.transfer("put", objects, put)
+    results: dict[str, object] = {
+        "GR: the backend is handed device memory only": len(handed) == 1 and handed[0].type == device.type,
+        "GR put: buffer == header + device KV": all(np.array_equal(a, b) for a, b in zip(stored, want, strict=True)),
+    }
+    for t in kv.values():
+        t.zero_()
+    for h in headers:
+        h[:] = 0
+    ok = [i % 3 != 1 for i in range(len(objs))]
+
+    def get(staged: list[list[Region]], buf: torch.Tensor):
+        base = buf.data_ptr()
+        for rs, data in zip(staged, stored, strict=True):
+            buf[rs[0].addr - base : rs[0].addr - base + rs[0].length].copy_(torch.from_numpy(data).to(device))
+        return [Status.OK if good else Status.NOT_FOUND for good in ok], None
+
+    staging.transfer("get", objects, get)
+    back = [np.concatenate([h, _device_bytes(kv, [o]).numpy()]) for h, o in zip(headers, objs, strict=True)]
+    results["GR get: arrived objects back whole, the others untouched"] = all(
+        np.array_equal(b, w if good else np.zeros_like(w)) for b, w, good in zip(back, want, ok, strict=True))
     return results
 
 

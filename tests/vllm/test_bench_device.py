@@ -21,7 +21,7 @@ def test_bench_device_checks_and_reports_every_figure():
     assert len(res["checks"]) == 2
     for checks in res["checks"].values():
         assert "note" not in checks, checks["note"]  # the round trip went through the local pool
-        assert [v for k, v in checks.items()] == [True] * 4
+        assert [v for k, v in checks.items()] == [True] * 7
     for row in res["shapes"]:
         assert row["regions"] == 8 * row["objects"]  # 4 layers x K and V
         for k in ("staged save / one copy", "staged load / one copy", "landing commit / one copy"):
@@ -42,3 +42,27 @@ def test_bench_device_checks_see_a_wrong_copy(monkeypatch):
     res = bench_device.check(torch.device("cpu"), 2, 10, 1024, 1)
     assert res["landing: ok objects copied, the others untouched"] is False
     assert res["staged load: device KV == before"] is True
+
+
+def test_bench_device_gr_check_sees_a_wrong_copy(monkeypatch):
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_device
+    finally:
+        sys.path.remove(str(BENCH))
+    from ascendstore_vllm.gr.staging import GRStaging
+
+    from ascendstore.contract import Status
+
+    class CopiesBackEverything(GRStaging):  # takes every object for arrived
+        def transfer(self, op, regions, call):
+            def all_ok(staged, buf):
+                statuses, running = call(staged, buf)
+                return [Status.OK] * len(statuses), running
+
+            return super().transfer(op, regions, all_ok)
+
+    monkeypatch.setattr(bench_device, "GRStaging", CopiesBackEverything)
+    res = bench_device.check(torch.device("cpu"), 2, 10, 1024, 1)
+    assert res["GR get: arrived objects back whole, the others untouched"] is False
+    assert res["GR put: buffer == header + device KV"] is True
