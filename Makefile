@@ -112,11 +112,14 @@ bench: setup
 	$(PY) bench/bench_staging.py
 
 # Each microbenchmark twice; fails when a ratio's medians differ by more than 10%.
+# BENCH_HUGETLBFS=DIR (a hugetlbfs mount with pages reserved) adds the local pool
+# on huge pages to bench_local's configurations (docs/benchmarking.md).
 BENCH_OUT ?= out/bench
+BENCH_HUGETLBFS ?=
 bench-agree: setup
 	mkdir -p $(BENCH_OUT); rc=0; \
 	for i in 1 2; do \
-	  $(PY) bench/bench_local.py --json > $(BENCH_OUT)/local$$i.json || rc=1; \
+	  $(PY) bench/bench_local.py --json $(if $(BENCH_HUGETLBFS),--hugetlbfs $(BENCH_HUGETLBFS)) > $(BENCH_OUT)/local$$i.json || rc=1; \
 	  $(PY) bench/bench_lookup.py --json $(BENCH_OUT)/lookup$$i.json > /dev/null || rc=1; \
 	  $(PY) bench/bench_connector.py --json > $(BENCH_OUT)/connector$$i.json || rc=1; \
 	done; \
