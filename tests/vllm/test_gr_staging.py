@@ -124,4 +124,4 @@ def test_an_object_larger_than_the_buffer_goes_through_a_temporary_one(caplog):
         assert st.transfer("put", [obj], put)[0] == [Status.OK]
     assert handed == [64 + 4 * 256]
     assert reg.live == before, "the temporary buffer stayed registered"
-    assert "exceeds staging_buffer_bytes" in caplog.text
+    assert "exceed the 512-byte staging buffer" in caplog.text

@@ -94,6 +94,7 @@ class GRStaging:
         return left
 
     def retired(self) -> int:
+        """Buffers still lent to calls that overran."""
         return self._reap()
 
     def _take(self, op: str, nbytes: int) -> tuple[torch.Tensor, bool] | None:
@@ -109,8 +110,8 @@ class GRStaging:
             if not self._warned:
                 self._warned = True
                 log.warning(
-                    "GR user object of %d bytes exceeds staging_buffer_bytes (%d): staged through a temporary "
-                    "buffer (raise staging_buffer_bytes, or use_layerwise for per-layer objects)",
+                    "GR objects of %d bytes exceed the %d-byte staging buffer: staged through a temporary "
+                    "buffer (on workers: raise staging_buffer_bytes, or use_layerwise for per-layer objects)",
                     nbytes, buf.numel(),
                 )
             return self._registered(self.buffers.alloc(nbytes)), True

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 #: where the plan travels in a connector's metadata ``extensions``
 PLAN_KEY = "ascendstore.gr"
+#: the scheduler's staging buffers for token records (a 1M-token history's record is 4 MiB)
+RECORD_BUFFER_BYTES = 16 << 20
 
 log = logging.getLogger(__name__)
 
@@ -117,11 +119,12 @@ class GRAttachment:
         self.staging: GRStaging | None = None
         if is_scheduler:
             if store.caps.needs_registration:
-                # Its record reads and writes go through registered host buffers (RDMA).
+                # Its record reads and writes go through registered host buffers (RDMA);
+                # records are token ids, so smaller ones than a worker's.
                 from ascendstore_vllm.device import HostBuffers
 
                 self.staging = store.staging = GRStaging(
-                    HostBuffers(ctx.config.staging_buffer_bytes), store.backend.register,
+                    HostBuffers(min(ctx.config.staging_buffer_bytes, RECORD_BUFFER_BYTES)), store.backend.register,
                     getattr(store.backend, "backend", store.backend).unregister)
             self.sched = GRSchedulerHooks(
                 store, config=ctx.config.gr, block_size=ctx.block_size,
