@@ -262,13 +262,20 @@ class BackendGuard:
             return Status.UNAVAILABLE, 0
 
     def register(self, regions: Sequence[Region]) -> Status:
-        fut = self._pool.submit(self.backend.register, list(regions))
+        return self._memory("register", regions)
+
+    def unregister(self, regions: Sequence[Region]) -> Status:
+        return self._memory("unregister", regions)
+
+    def _memory(self, op: str, regions: Sequence[Region]) -> Status:
+        # Registering large regions pins memory and can take a while: the set-up bound.
+        fut = self._pool.submit(getattr(self.backend, op), list(regions))
         try:
             return Status(fut.result(timeout=max(self.timeout_s, 30.0)))
         except FutureTimeout:
             return Status.TIMEOUT
         except Exception:
-            log.exception("backend register of %d regions raised", len(regions))
+            log.exception("backend %s of %d regions raised", op, len(regions))
             return Status.UNAVAILABLE
 
     def health(self) -> Health:

@@ -784,7 +784,7 @@ class TransferEngine:
         for b in freed:
             region = self._registered.pop(_addr(b), None)
             if region is not None:
-                self.guard.backend.unregister([region])
+                self.guard.unregister([region])
         for t in done:
             log.info("late %s of %s ended; its blocks go back to vLLM", "put" if t.kind == "save" else "get",
                      t.req_id)

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     import torch
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+    from ascendstore_vllm.device import HostBuffers
+
 #: where the plan travels in a connector's metadata ``extensions``
 PLAN_KEY = "ascendstore.gr"
 #: the scheduler's staging buffers for token records (a 1M-token history's record is 4 MiB)
@@ -123,9 +125,7 @@ class GRAttachment:
                 # records are token ids, so smaller ones than a worker's.
                 from ascendstore_vllm.device import HostBuffers
 
-                self.staging = store.staging = GRStaging(
-                    HostBuffers(min(ctx.config.staging_buffer_bytes, RECORD_BUFFER_BYTES)), store.backend.register,
-                    getattr(store.backend, "backend", store.backend).unregister)
+                self._stage_through(store, HostBuffers(min(ctx.config.staging_buffer_bytes, RECORD_BUFFER_BYTES)))
             self.sched = GRSchedulerHooks(
                 store, config=ctx.config.gr, block_size=ctx.block_size,
                 bytes_per_block=bytes_per_block(ctx, kv_cache_config), default_tenant=ctx.config.tenant,
@@ -133,6 +133,14 @@ class GRAttachment:
             )
         else:
             self.worker = GRWorkerHooks(store, count_stats=rank == 0, load_async=ctx.config.load_async)
+
+    def _stage_through(self, store: UserStore, buffers: HostBuffers) -> None:
+        """Every user object ``store`` moves goes through ``buffers`` (registered with
+        the backend where it reads registered memory only)."""
+        caps, backend = store.caps, store.backend
+        registers = caps.needs_registration or caps.zero_copy
+        self.staging = store.staging = GRStaging(
+            buffers, backend.register if registers else None, backend.unregister if registers else None)
 
     @property
     def store(self) -> UserStore:
@@ -207,11 +215,7 @@ class GRAttachment:
         direct = bool(getattr(guard, "direct", True))
         if on_device or not direct or caps.needs_registration:
             kind = DeviceBuffers if on_device and caps.device_memory else HostStaging
-            registers = caps.needs_registration or caps.zero_copy
-            self.staging = GRStaging(kind(kv_caches, self.ctx.config.staging_buffer_bytes),
-                                     guard.register if registers else None,
-                                     getattr(guard, "backend", guard).unregister if registers else None)
-            self.store.staging = self.staging
+            self._stage_through(self.store, kind(kv_caches, self.ctx.config.staging_buffer_bytes))
         sync = DeviceSync(device)
         self.worker.before_save = lambda block_ids: sync.synchronize()
         layout = KVLayout([
