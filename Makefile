@@ -113,13 +113,16 @@ bench: setup
 
 # Each microbenchmark twice; fails when a ratio's medians differ by more than 10%.
 # BENCH_HUGETLBFS=DIR (a hugetlbfs mount with pages reserved) adds the local pool
-# on huge pages to bench_local's configurations (docs/benchmarking.md).
+# on huge pages to bench_local's configurations; BENCH_SHM_HUGE=advise (root) runs
+# bench_local's pools over a private /dev/shm that grants transparent huge pages
+# (docs/benchmarking.md).
 BENCH_OUT ?= out/bench
 BENCH_HUGETLBFS ?=
+BENCH_SHM_HUGE ?=
 bench-agree: setup
 	mkdir -p $(BENCH_OUT); rc=0; \
 	for i in 1 2; do \
-	  $(PY) bench/bench_local.py --json $(if $(BENCH_HUGETLBFS),--hugetlbfs $(BENCH_HUGETLBFS)) > $(BENCH_OUT)/local$$i.json || rc=1; \
+	  $(PY) bench/bench_local.py --json $(if $(BENCH_HUGETLBFS),--hugetlbfs $(BENCH_HUGETLBFS)) $(if $(BENCH_SHM_HUGE),--shm-huge $(BENCH_SHM_HUGE)) > $(BENCH_OUT)/local$$i.json || rc=1; \
 	  $(PY) bench/bench_lookup.py --json $(BENCH_OUT)/lookup$$i.json > /dev/null || rc=1; \
 	  $(PY) bench/bench_connector.py --json > $(BENCH_OUT)/connector$$i.json || rc=1; \
 	done; \

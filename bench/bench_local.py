@@ -36,7 +36,14 @@ With ``--hugetlbfs DIR`` every process also measures a third pool, checksum off,
 whose DRAM tier is on that hugetlbfs mount (``off, huge pages``), interleaved with
 the rest: the same copies from 2 MiB pages instead of /dev/shm's 4 KiB ones.
 
+With ``--shm-huge MODE`` (root) the DRAM processes run in a private mount namespace
+whose /dev/shm is a tmpfs mounted ``huge=MODE``: with ``advise`` the pools (which ask
+for huge pages) get transparent huge pages, the ``memcpy shm`` mirror (which does not)
+keeps small ones. The host's /dev/shm is not touched; ``shm_huge`` in the output says
+which /dev/shm the figures come from.
+
     .venv/bin/python bench/bench_local.py [--json] [--quick] [--procs N] [--rounds N] [--hugetlbfs DIR]
+        [--shm-huge advise|within_size|always|never]
 """
 
 from __future__ import annotations
@@ -61,9 +68,12 @@ from ascendstore.contract import BackendContext, Region, Status
 from ascendstore.local import _shmpool
 from ascendstore.local.backend import LocalBackend
 from ascendstore.local.options import LocalOptions
+from ascendstore.local.pages import mount_option
 
 KiB, MiB = 1 << 10, 1 << 20
 BATCH = 32
+#: tmpfs huge= modes (the kernel's)
+SHM_HUGE = ("always", "within_size", "advise", "never")
 app = typer.Typer(add_completion=False)
 
 
@@ -183,6 +193,8 @@ def bench_dram(size: int, rounds: int, min_s: float, pool_bytes: int, page_size:
             cregions = [[Region(check.ctypes.data + j * size, size)] for j in range(BATCH)]
             assert be.get(batches[0], cregions, 5.0) == [Status.OK] * BATCH
             assert np.array_equal(check, user)
+        # which pages each pool's segment was in (prefaulted: all of it resident)
+        out["pages"] = {ck: be.dram_pages().kind for ck, be in pools.items()}
         return out
     finally:
         for be in pools.values():
@@ -260,9 +272,15 @@ def _dram_all(rounds: int, min_s: float, page_size: int, hugetlbfs: str | None) 
     }
 
 
-def _one_process(rounds: int, min_s: float, page_size: int, hugetlbfs: str | None) -> dict:
-    """The DRAM part in a fresh interpreter (its own mappings: see the module doc)."""
+def _one_process(rounds: int, min_s: float, page_size: int, hugetlbfs: str | None, shm_huge: str | None) -> dict:
+    """The DRAM part in a fresh interpreter (its own mappings: see the module doc);
+    with ``shm_huge``, in a mount namespace of its own over a /dev/shm mounted huge=that."""
     cmd = [
+        *(
+            ("unshare", "-m", "sh", "-c",
+             f'mount -t tmpfs -o huge={shm_huge},size=50% tmpfs /dev/shm && exec "$0" "$@"')
+            if shm_huge else ()
+        ),
         sys.executable,
         __file__,
         "--child",
@@ -287,6 +305,9 @@ def _across(runs: list[dict]) -> dict:
     for key, first in runs[0].items():
         out[key] = {}
         for section, figs in first.items():
+            if section == "pages":  # words, not figures: every kind any process had
+                out[key][section] = {n: sorted({r[key][section][n] for r in runs}) for n in figs}
+                continue
             out[key][section] = {}
             for name in figs:
                 out[key][section][name] = across_processes([r[key][section][name] for r in runs])
@@ -303,8 +324,14 @@ def main(
     page_size: int = typer.Option(64 * KiB, help="pool page size in bytes"),
     hugetlbfs: str = typer.Option("", help="also measure a pool whose DRAM tier is on this hugetlbfs mount "
                                   "(needs 256 MiB of huge pages reserved: vm.nr_hugepages)"),
+    shm_huge: str = typer.Option("", help="run the DRAM part over a private /dev/shm mounted huge=this "
+                                 f"({', '.join(SHM_HUGE)}; root); default: the host's /dev/shm"),
     child: bool = typer.Option(False, "--child", hidden=True, help="one process of the DRAM part, as JSON"),
 ) -> None:
+    if shm_huge and shm_huge not in SHM_HUGE:
+        raise typer.BadParameter(f"--shm-huge must be one of {', '.join(SHM_HUGE)}, not {shm_huge!r}")
+    if shm_huge and os.geteuid() != 0:
+        raise typer.BadParameter("--shm-huge mounts a tmpfs in a private mount namespace: run as root")
     rounds = rounds or (3 if quick else 5)
     procs = procs or (2 if quick else 9)
     min_s = min_s or (0.03 if quick else 0.04)
@@ -318,9 +345,11 @@ def main(
         "rounds": rounds,
         "page_size": page_size,
         "hugetlbfs": huge,
+        # the huge= of the /dev/shm the pools lived in (the kernel's default: never)
+        "shm_huge": shm_huge or mount_option("/dev/shm", "huge") or "never",
         "env_before": env_info(),
     }
-    results.update(_across([_one_process(rounds, min_s, page_size, huge) for _ in range(procs)]))
+    results.update(_across([_one_process(rounds, min_s, page_size, huge, shm_huge or None) for _ in range(procs)]))
     results["exists_512_us"] = bench_exists(512, 20 if quick else 60, rounds)
     results["disk_64KiB"] = bench_disk(64 * KiB, 32 * MiB if quick else 64 * MiB, 2 if quick else 3)
     results["env_after"] = env_info()
@@ -329,7 +358,8 @@ def main(
         return
     con = Console(width=160)
     t = Table(
-        title=f"local pool vs memcpy, batches of {BATCH}, {procs} processes x {rounds} interleaved rounds: "
+        title=f"local pool vs memcpy (/dev/shm huge={results['shm_huge']}), batches of {BATCH}, {procs} processes x "
+        f"{rounds} interleaved rounds: "
         "median (min..max) ±half-spread across the process medians; ratio = pool / baseline of the same round"
     )
     for col in (

@@ -121,6 +121,8 @@ def test_doctor_round_trip_on_local(pool):
         "all checks passed",
     ):
         assert needle in res.output, needle
+    # which pages hold the pool (4 KiB ones here unless this host's /dev/shm grants huge pages)
+    assert "DRAM tier in " in res.output and "pages" in res.output
 
 
 def test_doctor_says_what_is_wrong(tmp_path):

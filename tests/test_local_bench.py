@@ -2,9 +2,15 @@
 (speed itself is never asserted in tests: the numbers are for people to read)."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from ascendstore.local.pages import mount_option
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,3 +49,24 @@ def test_bench_local_quick_reports_every_figure(tmp_path):
     assert d["spills"] > 0 and d["disk_hits"] > 0
     assert len(res["env_before"]["loadavg"]) == 3
     assert list(tmp_path.iterdir()) == []  # the bench's disk tier cleaned up after itself
+    host = mount_option("/dev/shm", "huge") or "never"
+    assert res["shm_huge"] == host
+    if host == "never":  # the usual default: the pools' segments in 4 KiB pages, and said so
+        assert res["dram_2048KiB"]["pages"] == {"off": ["small"], "on": ["small"]}
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None
+                    or not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+                    reason="needs root, unshare(1) and transparent huge pages")
+def test_bench_local_over_a_private_dev_shm_that_grants_huge_pages(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_local.py"), "--quick", "--procs", "1", "--json",
+         "--shm-huge", "advise"],
+        capture_output=True, text=True, timeout=120,
+        env={"BENCH_DISK_DIR": str(tmp_path), "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"}, check=True,
+    )
+    res = json.loads(out.stdout)
+    assert res["shm_huge"] == "advise"
+    for size in ("64KiB", "2048KiB"):  # the pools asked for huge pages and got them
+        assert res[f"dram_{size}"]["pages"] == {"off": ["thp"], "on": ["thp"]}, size
+        assert res[f"dram_{size}"]["gbps"]["get checksum off"]["median"] > 0

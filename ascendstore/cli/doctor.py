@@ -249,6 +249,9 @@ def run_doctor(cfg: AscendStoreConfig) -> int:
         except Exception as exc:
             checks.fail("health", f"{type(exc).__name__}: {exc}")
         round_trip(checks, backend, ctx.timeout_s)
+        pages = getattr(backend, "dram_pages", None)  # the local pool's page size (large gets)
+        if callable(pages):
+            checks.note("DRAM tier in " + pages().describe())
     finally:
         close_quietly(backend)
     return _summary(checks)

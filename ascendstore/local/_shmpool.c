@@ -2362,8 +2362,8 @@ static void prefault_arena(Pool *p) {
     for (size_t o = 0; o < len; o += 4096) ((volatile uint8_t *)ARENA(p))[o] = 0;
 }
 
-/* The segment's file: a POSIX shm object (/dev/shm, 4 KiB pages unless the host's
- * shmem_enabled allows more) or a file of the same name on a hugetlbfs mount. */
+/* The segment's file: a POSIX shm object (/dev/shm: 4 KiB pages unless that tmpfs is
+ * mounted with huge=, see pool_open) or a file of the same name on a hugetlbfs mount. */
 static void arena_path(const Pool *p, char *out, size_t n) {
     snprintf(out, n, "%s%s", p->huge_dir[0] ? p->huge_dir : "/dev/shm", p->shm_name);
 }
@@ -2475,6 +2475,11 @@ static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int
         p->h = h;
         p->base = (uint8_t *)h;
         p->map_size = msize;
+        /* Transparent huge pages for a /dev/shm pool: a tmpfs mounted huge=advise gives
+         * 2 MiB pages to the mappings that ask (huge=always or within_size without asking,
+         * huge=never, the usual default, to none: then this changes nothing). A mapping's
+         * own flag decides, so every process asks, and before the prefault below. */
+        if (!p->huge_page) (void)madvise(h, msize, MADV_HUGEPAGE);
         if (created) {
             memcpy(h, &want, sizeof want);
             h->magic = POOL_MAGIC;

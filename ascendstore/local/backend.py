@@ -26,6 +26,7 @@ from ascendstore.contract import (
 )
 from ascendstore.local import _shmpool
 from ascendstore.local.options import LocalOptions
+from ascendstore.local.pages import DramPages, dram_pages
 
 _shmpool.set_status_table(tuple(Status))
 
@@ -167,6 +168,11 @@ class LocalBackend(Backend):
     def shm_name(self) -> str:
         """The segment's name under /dev/shm."""
         return self._pool.shm_name.lstrip("/")
+
+    def dram_pages(self) -> DramPages:
+        """The pages holding the DRAM tier as this process maps it (reads /proc: not for hot paths)."""
+        where = self.options.hugetlbfs.rstrip("/") if self.options.hugetlbfs else "/dev/shm"
+        return dram_pages(where + self._pool.shm_name, self.options.hugetlbfs is not None)
 
     def exists(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
         return self._pool.exists(keys, timeout_s)

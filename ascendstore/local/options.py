@@ -50,9 +50,10 @@ class LocalOptions(BackendOptions):
     )
     hugetlbfs: str | None = Field(
         None,
-        description="a hugetlbfs mount (e.g. /dev/hugepages) to hold the DRAM tier in huge pages instead of "
-        "/dev/shm's 4 KiB ones: fewer TLB misses on large objects; needs capacity's worth of pages reserved "
-        "(vm.nr_hugepages); every process of the pool must give the same; None: /dev/shm",
+        description="a hugetlbfs mount (e.g. /dev/hugepages) to hold the DRAM tier in reserved huge pages "
+        "instead of /dev/shm: fewer TLB misses on large objects; needs capacity's worth of pages reserved "
+        "(vm.nr_hugepages); every process of the pool must give the same; None: /dev/shm (in transparent "
+        "huge pages where it is mounted huge=advise, else 4 KiB ones)",
     )
     open_timeout_s: float = Field(
         10.0, gt=0, description="bound on waiting for another process creating the pool"
