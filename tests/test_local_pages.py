@@ -64,3 +64,21 @@ def test_a_pool_in_this_process_is_found_in_its_own_smaps():
         assert p.kind in ("small", "thp") and p.describe()
     finally:
         be.close()
+
+
+def test_a_large_pool_in_small_pages_says_at_start_up_how_to_get_huge_ones(monkeypatch, caplog):
+    import ascendstore.local.backend as local_backend
+
+    def opened(huge: str, capacity: str) -> list[str]:
+        monkeypatch.setattr(local_backend, "mount_option", lambda path, opt: huge)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="ascendstore.local.backend"):
+            be = LocalBackend.create(LocalOptions(name=f"pg-{uuid.uuid4().hex[:8]}", capacity=capacity),
+                                     BackendContext())
+            be.close()
+        return [r.getMessage() for r in caplog.records if "4 KiB pages" in r.getMessage()]
+
+    (hint,) = opened("never", "1GiB")  # sparse: nothing is touched but the index
+    assert "mount -o remount,huge=advise /dev/shm" in hint and "hugetlbfs" in hint
+    assert opened("advise", "1GiB") == []  # huge pages granted: nothing to say
+    assert opened("never", "64MiB") == []  # a small pool: not worth a line
