@@ -1,6 +1,6 @@
 """What pages hold the local pool's DRAM tier: 4 KiB ones, transparent huge pages, or hugetlbfs.
 
-A 2 MiB get from a pool in 4 KiB pages runs 15-25% slower on the hosts measured than from
+A 2 MiB get from a pool in 4 KiB pages runs 19-25% slower on the host measured than from
 2 MiB pages, and its speed moves with the host (docs/benchmarking.md). The pool asks for
 transparent huge pages on its /dev/shm mapping (``madvise``); whether it gets them is the
 tmpfs mount's ``huge=`` option, an operator's setting. This reports both, for
