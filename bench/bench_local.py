@@ -68,7 +68,7 @@ from ascendstore.contract import BackendContext, Region, Status
 from ascendstore.local import _shmpool
 from ascendstore.local.backend import LocalBackend
 from ascendstore.local.options import LocalOptions
-from ascendstore.local.pages import mount_option
+from ascendstore.local.pages import tmpfs_huge
 
 KiB, MiB = 1 << 10, 1 << 20
 BATCH = 32
@@ -346,7 +346,7 @@ def main(
         "page_size": page_size,
         "hugetlbfs": huge,
         # the huge= of the /dev/shm the pools lived in (the kernel's default: never)
-        "shm_huge": shm_huge or mount_option("/dev/shm", "huge") or "never",
+        "shm_huge": shm_huge or tmpfs_huge("/dev/shm"),
         "env_before": env_info(),
     }
     results.update(_across([_one_process(rounds, min_s, page_size, huge, shm_huge or None) for _ in range(procs)]))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ascendstore.local.pages import mount_option
+from ascendstore.local.pages import tmpfs_huge
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +49,7 @@ def test_bench_local_quick_reports_every_figure(tmp_path):
     assert d["spills"] > 0 and d["disk_hits"] > 0
     assert len(res["env_before"]["loadavg"]) == 3
     assert list(tmp_path.iterdir()) == []  # the bench's disk tier cleaned up after itself
-    host = mount_option("/dev/shm", "huge") or "never"
+    host = tmpfs_huge("/dev/shm")
     assert res["shm_huge"] == host
     if host == "never":  # the usual default: the pools' segments in 4 KiB pages, and said so
         assert res["dram_2048KiB"]["pages"] == {"off": ["small"], "on": ["small"]}

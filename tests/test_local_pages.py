@@ -70,7 +70,7 @@ def test_a_large_pool_in_small_pages_says_at_start_up_how_to_get_huge_ones(monke
     import ascendstore.local.backend as local_backend
 
     def opened(huge: str, capacity: str) -> list[str]:
-        monkeypatch.setattr(local_backend, "mount_option", lambda path, opt: huge)
+        monkeypatch.setattr(local_backend, "tmpfs_huge", lambda path: huge)
         caplog.clear()
         with caplog.at_level("INFO", logger="ascendstore.local.backend"):
             be = LocalBackend.create(LocalOptions(name=f"pg-{uuid.uuid4().hex[:8]}", capacity=capacity),

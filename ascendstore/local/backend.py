@@ -27,7 +27,7 @@ from ascendstore.contract import (
 )
 from ascendstore.local import _shmpool
 from ascendstore.local.options import LocalOptions
-from ascendstore.local.pages import DramPages, dram_pages, mount_option
+from ascendstore.local.pages import DramPages, dram_pages, tmpfs_huge
 
 log = logging.getLogger(__name__)
 
@@ -164,14 +164,12 @@ class LocalBackend(Backend):
         except (OSError, ValueError) as exc:
             raise BackendSetupError(f"local backend (pool {options.name!r}): {exc}") from exc
         _OPEN.add(pool)
-        if options.hugetlbfs is None and options.capacity >= _PAGE_HINT_BYTES:
-            huge = mount_option("/dev/shm", "huge") or "never"
-            if huge == "never":
-                log.info(
-                    "local pool %r: DRAM tier in 4 KiB pages (/dev/shm is mounted huge=never); in 2 MiB pages "
-                    "large gets run ~25%% faster: `mount -o remount,huge=advise /dev/shm`, or set hugetlbfs "
-                    "(docs/local-backend.md#huge-pages)", options.name,
-                )
+        if options.hugetlbfs is None and options.capacity >= _PAGE_HINT_BYTES and tmpfs_huge("/dev/shm") == "never":
+            log.info(
+                "local pool %r: DRAM tier in 4 KiB pages (/dev/shm is mounted huge=never); in 2 MiB pages "
+                "large gets run ~25%% faster: `mount -o remount,huge=advise /dev/shm`, or set hugetlbfs "
+                "(docs/local-backend.md#huge-pages)", options.name,
+            )
         return cls(pool, options, ctx)
 
     @property

@@ -68,6 +68,11 @@ def mount_option(path: str, option: str, mounts: str = "/proc/self/mounts") -> s
     return None
 
 
+def tmpfs_huge(path: str) -> str:
+    """The ``huge=`` of the tmpfs holding ``path`` ("never", the kernel's default, when not given)."""
+    return mount_option(path, "huge") or "never"
+
+
 def mapped_pages(path: str, smaps: str = "/proc/self/smaps") -> tuple[int, int]:
     """(resident bytes, bytes in huge pages) of this process's mappings of ``path``."""
     resident = huge = 0
@@ -93,7 +98,7 @@ def mapped_pages(path: str, smaps: str = "/proc/self/smaps") -> tuple[int, int]:
 def dram_pages(path: str, on_hugetlbfs: bool) -> DramPages:
     if on_hugetlbfs:
         return DramPages("hugetlbfs", path, "", *mapped_pages(path))
-    option = mount_option(path, "huge") or "never"
+    option = tmpfs_huge(path)
     resident, huge = mapped_pages(path)
     # what the mapping holds; with nothing resident yet, what the mount will give
     kind = "thp" if huge or (not resident and option in _GIVES_HUGE) else "small"
