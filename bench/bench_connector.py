@@ -48,6 +48,7 @@ from harness import (
     Stat,
     across_processes,
     env_info,
+    env_line,
     gbps_sampler,
     interleave,
     ratios,
@@ -424,7 +425,7 @@ def main(backend: str = "local", quick: bool = False, as_json: bool = typer.Opti
                         _fmt(t["ratio"][op]))
     c.print(tab)
     if s is None:
-        c.print(f"load average before {env0['loadavg']}, after {out['env_after']['loadavg']}")
+        c.print(env_line(env0, out["env_after"]))
         return
     tab = Table(title=f"scheduler side, {s['running']} running requests, {s['engines']} engine instances in "
                 f"{s['processes']} process(es), "
@@ -433,7 +434,7 @@ def main(backend: str = "local", quick: bool = False, as_json: bool = typer.Opti
         tab.add_column(col)
     tab.add_row(f"{s['schedule_ms']:.3f}", f"{s['connector_ms']:.3f}", _fmt(s["ratio"], 3), _fmt(s["per_step"], 3))
     c.print(tab)
-    c.print(f"load average before {env0['loadavg']}, after {out['env_after']['loadavg']}")
+    c.print(env_line(env0, out["env_after"]))
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ from collections.abc import Callable
 
 import numpy as np
 import typer
-from harness import Stat, across_processes, env_info, interleave, rate, ratios, stat
+from harness import Stat, across_processes, env_info, env_line, interleave, rate, ratios, stat
 from rich.console import Console
 from rich.table import Table
 
@@ -413,9 +413,7 @@ def main(
         f"disk tier 64 KiB: put {_s(d['put_gbps'])} GB/s (every put spills an LRU object), "
         f"get {_s(d['get_gbps'])} GB/s (read from disk + promotion), spills {d['spills']}, disk hits {d['disk_hits']}"
     )
-    con.print(
-        f"load average before {results['env_before']['loadavg']}, after {results['env_after']['loadavg']}"
-    )
+    con.print(env_line(results["env_before"], results["env_after"]))
 
 
 if __name__ == "__main__":

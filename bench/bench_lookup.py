@@ -55,6 +55,7 @@ from harness import (
     across_processes,
     clock_ns,
     env_info,
+    env_line,
     interleave,
     per_call_us,
     ratios,
@@ -434,7 +435,7 @@ def main() -> None:
                       _fmt(h["gallop_probes"]), _fmt(h["linear_us"]), _fmt(h["gallop_us"]),
                       f"{h['gallop_overcounts']}/{h['trials']}", _fmt(h["overcount_chunks"]))
         con.print(t)
-    con.print(f"load average before {env0['loadavg']}, after {out['env_after']['loadavg']}")
+    con.print(env_line(env0, out["env_after"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 import typer
-from harness import Stat, env_info, interleave, ratios, stat
+from harness import Stat, env_info, env_line, interleave, ratios, stat
 from mooncake_master import ensure_private_netns, start_master
 from rich.console import Console
 from rich.table import Table
@@ -169,7 +169,7 @@ def main(
             )
     con = Console(width=160)
     con.print(table)
-    con.print(f"load average before {env0['loadavg']}, after {env_info()['loadavg']}")
+    con.print(env_line(env0, env_info()))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
 import torch
 import typer
-from harness import Stat, clock, env_info, interleave, per_call_us, ratios, stat
+from harness import Stat, clock, env_info, env_line, interleave, per_call_us, ratios, stat
 from rich.console import Console
 from rich.table import Table
 
@@ -379,7 +379,7 @@ def main(
         f"{_fmt(dk['gbps']['get ours'])} vs LMCache {_fmt(dk['gbps']['get lmcache'])} "
         f"(ours ÷ LMCache {_fmt(dk['ratio']['get ours / lmcache'])})"
     )
-    con.print(f"load average before {env0['loadavg']}, after {res['env_after']['loadavg']}")
+    con.print(env_line(env0, res["env_after"]))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import typer
 from ascendstore_vllm.metadata import ChunkRef, SaveSpec
 from ascendstore_vllm.testing import EngineHarness, EngineSpec
 from ascendstore_vllm.worker import AscendStoreWorker
-from harness import Stat, env_info, gbps_sampler, interleave, ratios, stat
+from harness import Stat, env_info, env_line, gbps_sampler, interleave, ratios, stat
 from rich.console import Console
 from rich.table import Table
 
@@ -145,7 +145,7 @@ def main(rounds: int = typer.Option(9, min=1, max=50, help="interleaved rounds p
                           _fmt(q[f"{d} staged vs per region"]))
     con = Console(width=160)
     con.print(table)
-    con.print(f"load average before {env0['loadavg']}, after {env_info()['loadavg']}")
+    con.print(env_line(env0, env_info()))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 
+from ascendstore.handoff import halt_polling
+
 
 @dataclass(frozen=True)
 class Stat:
@@ -248,8 +250,21 @@ def load_average() -> tuple[float, float, float]:
 
 
 def env_info() -> dict[str, object]:
-    """What the reader needs to judge the figures: load and cores."""
-    return {"loadavg": [round(x, 2) for x in load_average()], "cpus": os.cpu_count(), "clock": CLOCK_NAME}
+    """What the reader needs to judge the figures: load, cores, and whether idle
+    vCPUs poll before they halt (a KVM guest that halts at once pays tens of us
+    per thread wake-up: every hand-off figure moves with it; ascendstore.handoff)."""
+    return {"loadavg": [round(x, 2) for x in load_average()], "cpus": os.cpu_count(), "clock": CLOCK_NAME,
+            **halt_polling().as_dict()}
+
+
+def env_line(before: Mapping[str, object], after: Mapping[str, object]) -> str:
+    """The footer every script prints under its table: load around the run, and a
+    guest's halt polling where it is off (hand-off figures then carry two VM exits)."""
+    line = f"load average before {before['loadavg']}, after {after['loadavg']}"
+    if before.get("cpuidle_driver") == "haltpoll" and before.get("guest_halt_poll_ns") == 0:
+        line += ("; this VM halts idle vCPUs at once (guest_halt_poll_ns=0): every thread hand-off "
+                 "pays two wake-ups through the hypervisor (ascendstore doctor)")
+    return line
 
 
 # -- agreement of two runs ------------------------------------------------------------

@@ -137,3 +137,14 @@ def test_agree_command_fails_on_a_level_apart_not_on_the_mix(tmp_path):
     assert run.returncode == 0 and "MIX" in run.stdout
     fb.write_text(json.dumps(result(1.0, 1.3)))
     assert subprocess.run(cmd, capture_output=True).returncode == 1
+
+
+def test_env_records_halt_polling_and_says_when_it_is_off():
+    env = harness.env_info()
+    assert {"loadavg", "cpus", "clock", "cpuidle_driver", "guest_halt_poll_ns"} <= set(env)
+    off = {"loadavg": [1.0, 1.0, 1.0], "cpuidle_driver": "haltpoll", "guest_halt_poll_ns": 0}
+    on = {**off, "guest_halt_poll_ns": 200_000}
+    metal = {"loadavg": [0.5, 0.5, 0.5], "cpuidle_driver": "intel_idle", "guest_halt_poll_ns": None}
+    assert "guest_halt_poll_ns=0" in harness.env_line(off, on)
+    for env in (on, metal):
+        assert harness.env_line(env, env) == f"load average before {env['loadavg']}, after {env['loadavg']}"

@@ -123,6 +123,24 @@ def test_doctor_round_trip_on_local(pool):
         assert needle in res.output, needle
     # which pages hold the pool (4 KiB ones here unless this host's /dev/shm grants huge pages)
     assert "DRAM tier in " in res.output and "pages" in res.output
+    # what a hand-off to another thread costs here (measured) and, in a guest that halts idle vCPUs at once, the fix
+    assert "ok   thread hand-off: " in res.output and " us per round trip to another thread" in res.output
+
+
+def test_doctor_says_how_to_cheapen_hand_offs_in_a_guest_that_halts_at_once(pool, monkeypatch):
+    from ascendstore.cli import doctor
+    from ascendstore.handoff import HaltPolling
+
+    _, opts = pool
+    monkeypatch.setattr(doctor, "halt_polling", lambda: HaltPolling("haltpoll", 0))
+    monkeypatch.setattr(doctor, "round_trip_us", lambda: 80.0)
+    res = run("doctor", "--backend", "local", "--backend-config", opts)
+    assert res.exit_code == 0, res.output  # advice, not a failure
+    assert "thread hand-off: 80 us per round trip" in res.output
+    assert "guest_halt_poll_ns" in res.output and "echo 200000 >" in res.output
+    monkeypatch.setattr(doctor, "halt_polling", lambda: HaltPolling("haltpoll", 200_000))
+    res = run("doctor", "--backend", "local", "--backend-config", opts)
+    assert res.exit_code == 0 and "echo 200000 >" not in res.output
 
 
 def test_doctor_says_what_is_wrong(tmp_path):

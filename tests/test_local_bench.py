@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from ascendstore.handoff import halt_polling
 from ascendstore.local.pages import tmpfs_huge
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +49,8 @@ def test_bench_local_quick_reports_every_figure(tmp_path):
     assert d["put_gbps"]["median"] > 0 and d["get_gbps"]["median"] > 0
     assert d["spills"] > 0 and d["disk_hits"] > 0
     assert len(res["env_before"]["loadavg"]) == 3
+    # the host's idle polling, with which every hand-off figure moves (ascendstore.handoff)
+    assert {k: res["env_before"][k] for k in ("cpuidle_driver", "guest_halt_poll_ns")} == halt_polling().as_dict()
     assert list(tmp_path.iterdir()) == []  # the bench's disk tier cleaned up after itself
     host = tmpfs_huge("/dev/shm")
     assert res["shm_huge"] == host

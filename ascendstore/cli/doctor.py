@@ -19,6 +19,7 @@ from ascendstore.cli.common import CallTimeout, backend_context, bounded, close_
 from ascendstore.config import AscendStoreConfig
 from ascendstore.contract import Backend, Region, Status
 from ascendstore.engine.health import read_states, state_dir
+from ascendstore.handoff import describe, halt_polling, round_trip_us
 from ascendstore.registry import create_backend, installed_backends, load_backend_class
 
 #: what a status usually means for an operator.
@@ -190,6 +191,15 @@ def check_gr(checks: Checks, cfg: AscendStoreConfig) -> None:
         )
 
 
+def check_handoff(checks: Checks) -> None:
+    """What a thread hand-off costs here (the engine's transfer threads, Mooncake's
+    synchronous gets): a few us on bare metal, far more in a VM that halts idle vCPUs."""
+    what, advice = describe(round_trip_us(), halt_polling())
+    checks.ok("thread hand-off", what)
+    if advice:
+        checks.note(advice)
+
+
 def run_doctor(cfg: AscendStoreConfig) -> int:
     checks = Checks()
     checks.ok(
@@ -252,6 +262,7 @@ def run_doctor(cfg: AscendStoreConfig) -> int:
         pages = getattr(backend, "dram_pages", None)  # the local pool's page size (large gets)
         if callable(pages):
             checks.note("DRAM tier in " + pages().describe())
+        check_handoff(checks)
     finally:
         close_quietly(backend)
     return _summary(checks)
