@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 
-from ascendstore.handoff import halt_polling
+from ascendstore.handoff import HaltPolling, halt_polling
 
 
 @dataclass(frozen=True)
@@ -261,7 +261,7 @@ def env_line(before: Mapping[str, object], after: Mapping[str, object]) -> str:
     """The footer every script prints under its table: load around the run, and a
     guest's halt polling where it is off (hand-off figures then carry two VM exits)."""
     line = f"load average before {before['loadavg']}, after {after['loadavg']}"
-    if before.get("cpuidle_driver") == "haltpoll" and before.get("guest_halt_poll_ns") == 0:
+    if HaltPolling(before.get("cpuidle_driver"), before.get("guest_halt_poll_ns")).off:  # type: ignore[arg-type]
         line += ("; this VM halts idle vCPUs at once (guest_halt_poll_ns=0): every thread hand-off "
                  "pays two wake-ups through the hypervisor (ascendstore doctor)")
     return line
