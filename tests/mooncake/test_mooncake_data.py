@@ -88,6 +88,20 @@ def test_engine_saves_leave_dedup_to_the_put_and_keep_the_pooled_bytes(open_back
         eng.shutdown()
 
 
+def test_no_data_call_runs_on_the_thread_that_set_the_client_up(open_backend) -> None:
+    # That thread runs native calls measurably slower (guard.call_alone); a get from a
+    # thread the engine does not watch (a synchronous load) goes to a worker.
+    b = open_backend()
+    guard = b._guard
+    assert guard._threads == []
+    src = payload(7, 65536)
+    assert b.put(["setup-thread/a"], [[region(src, 0, 65536)]], T) == [Status.OK]
+    dst = np.zeros(65536, dtype=np.uint8)
+    assert b.get(["setup-thread/a"], [[region(dst, 0, 65536)]], T) == [Status.OK]
+    assert np.array_equal(src, dst)
+    assert [t.name for t in guard._threads] == ["mooncake_0"]
+
+
 def test_wrong_sizes_and_bad_keys_are_invalid(open_backend) -> None:
     b = open_backend()
     src = payload(4, 4096)

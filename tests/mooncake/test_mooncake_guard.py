@@ -73,6 +73,37 @@ def test_an_exception_reaches_the_caller() -> None:
     assert g.close(1.0)
 
 
+def test_call_alone_runs_on_a_thread_of_its_own_never_on_a_worker() -> None:
+    # The client's set-up goes here: the thread that ran it must not run data calls.
+    # (Thread objects, not idents: an ident is reused once its thread has ended.)
+    g = NativeGuard(2)
+    outcome, alone = g.call_alone(threading.current_thread, 1.0)
+    assert outcome is Outcome.DONE and alone is not threading.current_thread()
+    assert g._threads == []  # no worker was started (or reused) for it
+    outcome, worker = g.call(threading.current_thread, 1.0)
+    assert outcome is Outcome.DONE and g._threads == [worker] and worker is not alone
+    assert g.call_alone(threading.current_thread, 1.0)[1] not in (alone, worker)
+    with pytest.raises(RuntimeError, match="set-up failed"):
+        g.call_alone(lambda: (_ for _ in ()).throw(RuntimeError("set-up failed")), 1.0)
+    assert g.close(1.0)
+    assert g.call_alone(lambda: 1, 1.0) == (Outcome.CLOSED, None)
+
+
+def test_call_alone_stops_waiting_at_its_deadline_and_close_waits_for_it() -> None:
+    g = NativeGuard(1)
+    release = threading.Event()
+    t0 = time.monotonic()
+    assert g.call_alone(lambda: release.wait(5.0) and "late", 0.1) == (Outcome.TIMEOUT, None)
+    assert time.monotonic() - t0 < 1.0
+    assert g.timeouts == 1
+    assert g.close(0.1) is False  # still running
+    release.set()
+    deadline = time.monotonic() + 5.0
+    while g.inflight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert g.inflight == 0
+
+
 def test_results_racing_the_deadline_go_to_exactly_one_side() -> None:
     # Calls finishing around their deadline: each result reaches the caller (DONE)
     # or on_late, never both and never neither (the hand-off's race window).

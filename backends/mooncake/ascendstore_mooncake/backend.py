@@ -165,7 +165,8 @@ class MooncakeBackend(Backend):
             opts.client_http_port,
         )
         started = time.monotonic()
-        outcome, rc = self._guard.call(lambda: store.setup(*args), opts.setup_timeout_s)
+        # On a thread of its own, never one of the workers that later run data calls (guard.call_alone).
+        outcome, rc = self._guard.call_alone(lambda: store.setup(*args), opts.setup_timeout_s)
         if outcome is not Outcome.DONE or rc != 0:
             _quarantine(store)
             self._guard.close(0)

@@ -1,0 +1,40 @@
+"""bench/bench_mooncake.py runs against a real master and reports what it promises
+(speed is never asserted: the figures are for people to read, docs/benchmarking.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.mooncake
+
+
+def _run(*args: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_mooncake.py"), "--rounds", "1", "--json", *args],
+        capture_output=True, text=True, timeout=300, check=True, env={**os.environ, "MC_LOG_LEVEL": "ERROR"},
+    )
+    return json.loads(out.stdout)
+
+
+def test_bench_mooncake_reports_every_case_per_size_and_its_batch():
+    res = _run("--batch", "4")
+    assert res["batch"] == 4 and set(res["sizes"]) == {str(64 << 10), str(2 << 20)}
+    for r in res["sizes"].values():
+        assert set(r["gbps"]) == {"put_raw", "put_ours", "put_thread", "get_raw", "get_ours", "get_thread"}
+        for g in r["gbps"].values():
+            assert 0 < g["min"] <= g["median"] <= g["max"]
+        assert set(r["ratio"]) == set(r["ratio_thread"]) == {"put", "get"}
+        assert r["inline_calls"] > 0  # "ours" ran on the calling thread, "thread" did not
+
+
+def test_bench_mooncake_keeps_2mib_objects_to_64mib_calls():
+    # 64 x 2 MiB would be 128 MiB per call: more than the engine ever sends at once.
+    res = _run("--batch", "64")
+    assert res["batch"] == 64 and set(res["sizes"]) == {str(64 << 10)}
