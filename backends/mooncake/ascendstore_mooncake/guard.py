@@ -217,17 +217,8 @@ class NativeGuard:
         c = _Call(fn, deadline, on_late, waited=True)
         if not self._submit(c):
             return Outcome.CLOSED, None
-        if not c.done.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            with self._lock:
-                # The worker may have finished between the timeout and here.
-                finished = c.done.acquire(blocking=False)
-                if not finished:
-                    c.abandoned = True  # its result goes to on_late
-            if not finished:
-                self.timeouts += 1
-                return Outcome.TIMEOUT, None
-        if c.error is not None:
-            raise c.error
+        if not self._wait(c, deadline - time.monotonic()):
+            return Outcome.TIMEOUT, None
         if c.result is _SKIPPED:
             return (Outcome.CLOSED if self._closed else Outcome.TIMEOUT), None
         return Outcome.DONE, c.result
@@ -259,17 +250,25 @@ class NativeGuard:
                         c.done.release()
 
         threading.Thread(target=run, name=f"{self._name}_alone", daemon=True).start()
+        if not self._wait(c, timeout_s):
+            return Outcome.TIMEOUT, None
+        return Outcome.DONE, c.result
+
+    def _wait(self, c: _Call, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for a handed-off call; False (the call abandoned:
+        its result goes to ``on_late``) at the deadline. Raises the call's error."""
         if not c.done.acquire(timeout=max(0.0, timeout_s)):
             with self._lock:
+                # The thread may have finished between the timeout and here.
                 finished = c.done.acquire(blocking=False)
                 if not finished:
                     c.abandoned = True
             if not finished:
                 self.timeouts += 1
-                return Outcome.TIMEOUT, None
+                return False
         if c.error is not None:
             raise c.error
-        return Outcome.DONE, c.result
+        return True
 
     def _late(self, c: _Call) -> None:
         if c.error is not None:
