@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from ascendstore.loopback import free_ports
+
 #: set in the re-run process: it must not try again (and fail loudly if still not isolated).
 _NETNS_FLAG = "_BENCH_MOONCAKE_NETNS"
 
@@ -34,19 +36,13 @@ def ensure_private_netns() -> None:
     raise SystemExit(subprocess.call(["unshare", "-n", "bash", "-c", f"ip link set lo up && exec {cmd}"], env=env))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_master() -> tuple[subprocess.Popen[bytes], str]:
     """A master on a free loopback port: (its process, ``host:port``). Kill it when done."""
     binary = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
-    port = free_port()
+    port, metrics_port = free_ports(2)  # drawn together, never the same port twice
     proc = subprocess.Popen(
         [binary, "--rpc_address=127.0.0.1", f"--rpc_port={port}", "--metrics_host=127.0.0.1",
-         f"--metrics_port={free_port()}"],
+         f"--metrics_port={metrics_port}"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

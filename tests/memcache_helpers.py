@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,16 +13,7 @@ from ascendstore_memcache import conf
 from ascendstore_memcache.meta_service import MetaServiceError, MetaServiceProcess
 from ascendstore_memcache.options import MemcacheOptions
 
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+from ascendstore.loopback import free_ports
 
 
 def meta_options(tmp: Path, **extra: object) -> MemcacheOptions:

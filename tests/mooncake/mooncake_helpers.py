@@ -15,6 +15,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from ascendstore.contract import Region
+from ascendstore.loopback import free_ports
 
 MASTER_BIN = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
 #: small pools keep the suite light on a shared 2-core machine
@@ -22,18 +23,12 @@ SEGMENT = 32 << 20
 BUFFER = 8 << 20
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Master:
     """One mooncake_master on 127.0.0.1 (no HTTP metadata server: clients use P2PHANDSHAKE)."""
 
     def __init__(self, log_dir: Path, extra: list[str] | None = None) -> None:
-        self.port = free_port()
-        self.metrics_port = free_port()
+        # drawn together: two draws in a row once gave both the same port (ascendstore.loopback)
+        self.port, self.metrics_port = free_ports(2)
         self.extra = extra or []
         self.log_dir = log_dir
         self.proc: subprocess.Popen[bytes] | None = None
@@ -46,7 +41,8 @@ class Master:
     def start(self) -> None:
         assert self.proc is None or self.proc.poll() is not None, "master already running"
         self.starts += 1
-        log = open(self.log_dir / f"master-{self.port}-{self.starts}.log", "wb")
+        self.log_path = self.log_dir / f"master-{self.port}-{self.starts}.log"
+        log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [
                 MASTER_BIN,
@@ -63,12 +59,17 @@ class Master:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}; see {log.name}")
+                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}:\n{self.log_tail()}")
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", self.port)) == 0:
                     return
             time.sleep(0.02)
         raise RuntimeError("mooncake_master did not open its port within 10 s")
+
+    def log_tail(self, lines: int = 8) -> str:
+        """The master's last log lines (its own periodic metrics lines left out)."""
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join([line for line in text if "Master Admin Metrics" not in line][-lines:])
 
     def capacity_bytes(self) -> int:
         """Bytes of the segments mounted on this master now (its metrics endpoint, loopback).

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from ascendstore.loopback import free_port
+
 EOS = 2
 NUM_LAYERS = 2
 NUM_KV_HEADS = 2
@@ -436,11 +438,3 @@ class _Engine:
             ensure_kv_transfer_shutdown()
         except Exception:
             pass
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import backend_config
-from mooncake_helpers import free_port, payload, region
+from mooncake_helpers import payload, region
 
 from ascendstore.contract import BackendContext, BackendSetupError, Status, watched_caller
 from ascendstore.engine import BackendGuard, ChunkOp, TransferEngine
+from ascendstore.loopback import free_port
 from ascendstore.registry import create_backend
 
 pytestmark = pytest.mark.mooncake

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pd_node import BLOCK_SIZE, MODEL_CONFIG, Node, Result, free_port, token_kv
+from pd_node import BLOCK_SIZE, MODEL_CONFIG, Node, Result, token_kv
 
+from ascendstore.loopback import free_port
 from ascendstore.pd import build_pd_config
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.vllm, pytest.mark.timeout(600)]

@@ -157,14 +157,13 @@ def _init_distributed(vllm_config: Any) -> None:
     global _dist_ready
     if _dist_ready:
         return
-    import socket
 
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ascendstore.loopback import free_port
+
+    port = free_port()
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
         initialize_model_parallel(1, 1)

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,14 +28,10 @@ from typing import Any
 
 import requests
 
+from ascendstore.loopback import free_port
+
 #: CPU attention takes block sizes that are multiples of 32
 BLOCK_SIZE = 32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
