@@ -33,6 +33,22 @@ def _loopback_works() -> bool:
             return cli.connect_ex(srv.getsockname()) == 0
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test shows the log of any master that died by itself (once): a test
+    that fails for want of its master otherwise says only "cannot reach"."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if not report.failed:
+        return
+    for m in Master.started:
+        if m.died() and not m.reported:
+            m.reported = True
+            assert m.proc is not None
+            report.sections.append((f"mooncake_master {m.address} exited by itself ({m.proc.returncode})",
+                                    m.log_tail(20)))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_netns() -> None:
     """Refuse to run where Mooncake clients would listen on real interfaces."""

@@ -26,6 +26,9 @@ BUFFER = 8 << 20
 class Master:
     """One mooncake_master on 127.0.0.1 (no HTTP metadata server: clients use P2PHANDSHAKE)."""
 
+    #: every master started in this process, so a failed test can show the log of one that died
+    started: list[Master] = []
+
     def __init__(self, log_dir: Path, extra: list[str] | None = None) -> None:
         # drawn together: two draws in a row once gave both the same port (ascendstore.loopback)
         self.port, self.metrics_port = free_ports(2)
@@ -33,6 +36,8 @@ class Master:
         self.log_dir = log_dir
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        self.ended_by_us = False  # kill() or stop(): an exit the test asked for
+        self.reported = False
 
     @property
     def address(self) -> str:
@@ -41,6 +46,9 @@ class Master:
     def start(self) -> None:
         assert self.proc is None or self.proc.poll() is not None, "master already running"
         self.starts += 1
+        self.ended_by_us = False
+        if self not in Master.started:
+            Master.started.append(self)
         self.log_path = self.log_dir / f"master-{self.port}-{self.starts}.log"
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
@@ -87,12 +95,18 @@ class Master:
                     return int(sample.value)
         raise RuntimeError(f"{url} reports no master_total_capacity_bytes")
 
+    def died(self) -> bool:
+        """Exited without a test asking it to (a crash, or a port it could not bind)."""
+        return self.proc is not None and self.proc.poll() is not None and not self.ended_by_us
+
     def kill(self) -> None:
+        self.ended_by_us = True
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
 
     def stop(self) -> None:
+        self.ended_by_us = True
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
