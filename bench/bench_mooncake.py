@@ -20,7 +20,11 @@ objects in calls of up to 64 MiB), where the hand-off is a small share of the ca
 Mooncake clients listen on all interfaces, so the script re-runs itself in a
 private network namespace (``unshare -n``, needs root) unless it is in one.
 
-    .venv/bin/python bench/bench_mooncake.py [--rounds 5] [--batch 32] [--json]
+``--pin-cpu N`` pins the calling thread, and so the guard's worker threads it starts,
+to one CPU, the client's own threads left on the process's CPUs: the hand-off's two
+wake-ups then stay on one CPU instead of waking an idle one.
+
+    .venv/bin/python bench/bench_mooncake.py [--rounds 5] [--batch 32] [--pin-cpu N] [--json]
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ TIMEOUT_S = 5.0
 app = typer.Typer(add_completion=False)
 
 
-def _measure(size: int, rounds: int, address: str, batch: int = BATCH) -> dict:
+def _measure(size: int, rounds: int, address: str, batch: int = BATCH, pin_cpu: int | None = None) -> dict:
     backend = create_backend(
         "mooncake",
         {"master_server_address": address, "local_hostname": "127.0.0.1", "global_segment_size": 4 * batch * size
@@ -74,6 +78,13 @@ def _measure(size: int, rounds: int, address: str, batch: int = BATCH) -> dict:
 
     guard = backend._guard
     inline_allowed = guard.allow_inline
+    mask = os.sched_getaffinity(0)
+    if pin_cpu is not None:
+        # After the client's set-up (its own threads keep the process's mask), before
+        # the guard's first worker: the guard starts workers from the calling thread
+        # on demand, and a new thread inherits its creator's mask.
+        assert guard.inflight == 0 and not guard._threads, "a guard worker started before the pin"
+        os.sched_setaffinity(0, {pin_cpu})
 
     def put_ours() -> float:
         keys = fresh()
@@ -130,11 +141,14 @@ def _measure(size: int, rounds: int, address: str, batch: int = BATCH) -> dict:
     s = interleave(cases, rounds, warmup=2)
     assert np.array_equal(dst, src)  # what we timed was real data movement
     inline_calls = guard.inline_calls - calls0
+    worker_masks = [sorted(os.sched_getaffinity(t.native_id)) for t in guard._threads if t.native_id]
+    os.sched_setaffinity(0, mask)
     backend.close()
     return {"gbps": {k: stat(v).as_dict() for k, v in s.items()},
             "ratio": {op: ratios(s[f"{op}_ours"], s[f"{op}_raw"]).as_dict() for op in ("put", "get")},
             "ratio_thread": {op: ratios(s[f"{op}_thread"], s[f"{op}_raw"]).as_dict() for op in ("put", "get")},
-            "inline_puts": inline_allowed, "inline_calls": inline_calls}
+            "inline_puts": inline_allowed, "inline_calls": inline_calls,
+            "pin_cpu": pin_cpu, "worker_cpus": worker_masks}
 
 
 def _fmt(d: dict, digits: int = 2) -> str:
@@ -146,8 +160,14 @@ def main(
     rounds: int = typer.Option(11, min=1, max=50, help="interleaved rounds per size"),
     batch: int = typer.Option(BATCH, min=1, max=1024, help="objects per call (512 x 64 KiB: a synchronous load's "
                                "step-sized call, where the hand-off is a small share)"),
+    pin_cpu: int | None = typer.Option(None, "--pin-cpu", min=0, help="pin the calling thread, and with it the "
+                                       "guard's workers, to this CPU (the client's own threads keep the process's "
+                                       "CPUs): shows what a hand-off's wake-ups cost when they cross CPUs"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
+    if pin_cpu is not None and pin_cpu not in os.sched_getaffinity(0):
+        raise typer.BadParameter(f"CPU {pin_cpu} is not among this process's CPUs "
+                                 f"{sorted(os.sched_getaffinity(0))}", param_hint="--pin-cpu")
     ensure_private_netns()
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     env0 = env_info()
@@ -155,12 +175,13 @@ def main(
     try:
         # (2 MiB objects only up to 64 MiB per call, as the engine batches them)
         sizes = [64 * KiB] + ([2 * MiB] if batch * 2 * MiB <= 64 * MiB else [])
-        results = {size: _measure(size, rounds, address, batch) for size in sizes}
+        results = {size: _measure(size, rounds, address, batch, pin_cpu) for size in sizes}
     finally:
         master.kill()
         master.wait()
     if as_json:
         print(json.dumps({"sizes": {str(k): v for k, v in results.items()}, "rounds": rounds, "batch": batch,
+                          "pin_cpu": pin_cpu,
                           "env_before": env0, "env_after": env_info()}, indent=2))
         return
     table = Table(title=f"MooncakeBackend vs raw Mooncake client (batch {batch}, single process, deadline "

@@ -38,3 +38,23 @@ def test_bench_mooncake_keeps_2mib_objects_to_64mib_calls():
     # 64 x 2 MiB would be 128 MiB per call: more than the engine ever sends at once.
     res = _run("--batch", "64")
     assert res["batch"] == 64 and set(res["sizes"]) == {str(64 << 10)}
+
+
+def test_bench_mooncake_pins_the_caller_and_the_workers_it_starts():
+    cpu = max(os.sched_getaffinity(0))
+    res = _run("--batch", "4", "--pin-cpu", str(cpu))
+    assert res["pin_cpu"] == cpu
+    for r in res["sizes"].values():
+        # every guard worker the handed-off calls used was started pinned, and only there
+        assert r["worker_cpus"] and all(m == [cpu] for m in r["worker_cpus"]), r["worker_cpus"]
+    unpinned = _run("--batch", "4")["sizes"][str(64 << 10)]["worker_cpus"]
+    assert unpinned and all(m == sorted(os.sched_getaffinity(0)) for m in unpinned), unpinned
+
+
+def test_bench_mooncake_refuses_a_cpu_it_may_not_run_on():
+    bad = max(os.sched_getaffinity(0)) + 1
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_mooncake.py"), "--pin-cpu", str(bad)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 2 and f"CPU {bad} is not among" in out.stderr and "--pin-cpu" in out.stderr
