@@ -44,7 +44,7 @@ os.environ.setdefault("BENCH_CLOCK", "wall")  # device copies end on the device,
 import numpy as np
 import torch
 import typer
-from ascendstore_vllm.device import DeviceBuffers, DeviceLanding, HostStaging
+from ascendstore_vllm.device import GATHER_BYTES, DeviceBuffers, DeviceLanding, HostStaging
 from ascendstore_vllm.gr.staging import GRStaging
 from harness import Stat, env_info, gbps_sampler, interleave, ratios, stat
 from rich.console import Console
@@ -121,12 +121,20 @@ def _pool_round_trip(staging: HostStaging, objs: list[_Object], kv: dict[str, to
 
 
 def check(device: torch.device, layers: int, blocks: int, block_bytes: int, run: int) -> dict:
-    kv = _kv(device, layers, blocks, block_bytes)
-    objs = _objects(kv, 1, (blocks - 1) // run, run)
+    results: dict[str, object] = {}
+    for batched in (True, False):
+        kv = _kv(device, layers, blocks, block_bytes)
+        objs = _objects(kv, 1, (blocks - 1) // run, run)
+        mode = "batched" if batched else "per region"
+        results.update({f"{k} ({mode})": v for k, v in _check_stagers(device, kv, objs, batched).items()})
+    results.update(gr_check(device, kv, objs))
+    return results
+
+
+def _check_stagers(device: torch.device, kv: dict[str, torch.Tensor], objs: list[_Object], batched: bool) -> dict:
     want = _device_bytes(kv, objs)
     results: dict[str, object] = {}
-
-    staging = HostStaging(kv, sum(o.nbytes for o in objs))
+    staging = HostStaging(kv, sum(o.nbytes for o in objs), batched=batched)
     staging.stage_out(objs)
     results["staged save: buffer == device KV"] = bool(torch.equal(staging.save_buf[: want.numel()].cpu(), want))
     skipped = _pool_round_trip(staging, objs, kv)
@@ -139,9 +147,10 @@ def check(device: torch.device, layers: int, blocks: int, block_bytes: int, run:
     if skipped:
         results["note"] = skipped
 
-    landing = DeviceLanding(kv, sum(o.nbytes for o in objs))
+    landing = DeviceLanding(kv, sum(o.nbytes for o in objs), batched=batched)
     assert landing.load_buf is not None
-    results["landing buffer on the KV's device"] = landing.load_buf.device == device
+    # (the KV's device, index included: torch.device("cuda") != torch.device("cuda:0"))
+    results["landing buffer on the KV's device"] = landing.load_buf.device == next(iter(kv.values())).device
     landing.stage_in(objs)
     fresh = torch.randint(0, 256, (want.numel(),), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
     landing.load_buf[: fresh.numel()].copy_(fresh.to(device))
@@ -153,7 +162,6 @@ def check(device: torch.device, layers: int, blocks: int, block_bytes: int, run:
         pos += o.nbytes
     results["landing: ok objects copied, the others untouched"] = bool(torch.equal(_device_bytes(kv, objs),
                                                                               torch.cat(expect)))
-    results.update(gr_check(device, kv, objs))
     return results
 
 
@@ -196,14 +204,17 @@ def gr_check(device: torch.device, kv: dict[str, torch.Tensor], objs: list[_Obje
     return results
 
 
-def timings(device: torch.device, layers: int, blocks: int, block_bytes: int, run: int, rounds: int) -> dict:
+def timings(device: torch.device, layers: int, blocks: int, block_bytes: int, run: int, rounds: int,
+            gather_bytes: int) -> dict:
     kv = _kv(device, layers, blocks, block_bytes)
     objs = _objects(kv, 1, (blocks - 1) // run, run)
     nbytes = sum(o.nbytes for o in objs)
-    staging = HostStaging(kv, nbytes)
-    landing = DeviceLanding(kv, nbytes)
-    staging.stage_in(objs)
-    landing.stage_in(objs)
+    staging = HostStaging(kv, nbytes, batched=True, gather_bytes=gather_bytes)
+    landing = DeviceLanding(kv, nbytes, batched=True)
+    per_region = HostStaging(kv, nbytes, batched=False)
+    landing_pr = DeviceLanding(kv, nbytes, batched=False)
+    for st in (staging, landing, per_region, landing_pr):
+        st.stage_in(objs)
     ok = [True] * len(objs)
     dev_src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dev_dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -220,20 +231,28 @@ def timings(device: torch.device, layers: int, blocks: int, block_bytes: int, ru
     cases = {
         "save: one copy": gbps_sampler(one(host, dev_src), nbytes),
         "save: staged": gbps_sampler(lambda: staging.stage_out(objs), nbytes),
+        "save: staged per region": gbps_sampler(lambda: per_region.stage_out(objs), nbytes),
         "load: one copy": gbps_sampler(one(dev_src, host), nbytes),
         "load: staged": gbps_sampler(lambda: staging.commit_in(objs, ok), nbytes),
+        "load: staged per region": gbps_sampler(lambda: per_region.commit_in(objs, ok), nbytes),
         "landing: one copy": gbps_sampler(one(dev_dst, dev_src), nbytes),
         "landing: commit": gbps_sampler(lambda: landing.commit_in(objs, ok), nbytes),
+        "landing: commit per region": gbps_sampler(lambda: landing_pr.commit_in(objs, ok), nbytes),
     }
     samples = interleave(cases, rounds)
+    pairs = {
+        "staged save / one copy": ("save: staged", "save: one copy"),
+        "staged load / one copy": ("load: staged", "load: one copy"),
+        "landing commit / one copy": ("landing: commit", "landing: one copy"),
+        "per-region save / one copy": ("save: staged per region", "save: one copy"),
+        "per-region load / one copy": ("load: staged per region", "load: one copy"),
+        "per-region commit / one copy": ("landing: commit per region", "landing: one copy"),
+    }
     return {
         "objects": len(objs), "regions": sum(len(o.regions) for o in objs), "bytes": nbytes,
+        "gather_bytes": gather_bytes,
         "gbps": {k: stat(v).as_dict() for k, v in samples.items()},
-        "ratio": {
-            "staged save / one copy": ratios(samples["save: staged"], samples["save: one copy"]).as_dict(),
-            "staged load / one copy": ratios(samples["load: staged"], samples["load: one copy"]).as_dict(),
-            "landing commit / one copy": ratios(samples["landing: commit"], samples["landing: one copy"]).as_dict(),
-        },
+        "ratio": {k: ratios(samples[a], samples[b]).as_dict() for k, (a, b) in pairs.items()},
     }
 
 
@@ -250,6 +269,7 @@ def main(
     quick: bool = typer.Option(False, help="a small KV cache and 3 rounds"),
     rounds: int = typer.Option(7, help="interleaved rounds per shape"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of tables"),
+    gather_mib: int = typer.Option(GATHER_BYTES >> 20, min=1, help="the batched stager's gather buffer, MiB"),
 ) -> None:
     dev = torch.device(device or _default_device())
     if dev.type != "cpu":
@@ -263,7 +283,7 @@ def main(
     for layers, blocks, bb, run in shapes:
         name = f"{layers} layers x {run} block(s) of {bb >> 10} KiB"
         out["checks"][name] = check(dev, layers, blocks, bb, run)
-        out["shapes"].append({"shape": name, **timings(dev, layers, blocks, bb, run, rounds)})
+        out["shapes"].append({"shape": name, **timings(dev, layers, blocks, bb, run, rounds, gather_mib << 20)})
     failed = [f"{s}: {k}" for s, c in out["checks"].items() for k, v in c.items() if v is False]
     out["failed"] = failed
     if as_json:
@@ -274,14 +294,14 @@ def main(
             for k, v in c.items():
                 con.print(f"{s}: {k}: {v}", highlight=False)
         t = Table(title=f"device KV on {dev}: GB/s median (min..max) over {rounds} interleaved rounds, wall clock")
-        for col in ("shape", "objects x regions", "save staged / one copy", "load staged / one copy",
-                    "landing commit / one copy"):
+        cols = ("staged save / one copy", "staged load / one copy", "landing commit / one copy",
+                "per-region save / one copy", "per-region load / one copy", "per-region commit / one copy")
+        for col in ("shape", "objects x regions", *cols):
             t.add_column(col)
         for row in out["shapes"]:
             r = row["ratio"]
             t.add_row(row["shape"], f"{row['objects']} x {row['regions'] // row['objects']}",
-                      *(Stat(**{f: r[k][f] for f in ("median", "min", "max", "n")}).fmt()
-                        for k in ("staged save / one copy", "staged load / one copy", "landing commit / one copy")))
+                      *(Stat(**{f: r[k][f] for f in ("median", "min", "max", "n")}).fmt() for k in cols))
         con.print(t)
     if failed:
         print("FAILED: " + "; ".join(failed), file=sys.stderr)

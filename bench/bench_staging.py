@@ -15,7 +15,8 @@ run, interleaved round by round:
   region: find its allocation, slice it, slice the buffer, ``copy_``), kept here
   as the reference the change is measured against;
 - ``staged``: ``HostStaging.stage_out`` (save) / ``commit_in`` (load) as the
-  connector calls them.
+  connector calls them, copying region by region as on the CPU (a device
+  batches them: ``bench_device.py``).
 
 The objects are the very chunk objects the connector's worker builds from a real
 vLLM KV allocation (8 layers, 8 KV heads x 128, fp16): chunks of one 16-token
@@ -77,6 +78,9 @@ def _measure(block_size: int, bpc: int, chunks: int, stride: int, rounds: int) -
         w = eng.workers[0].connector.worker
         st = w.staging
         assert st is not None
+        # The CPU's copies, one per region: the batched ones (a device's default, which the
+        # worker also picks for CPU KV taken for device KV) are bench_device.py's, on a device.
+        st.batched = False
         for t in eng.workers[0].kv_caches.values():
             t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8))
         refs = [ChunkRef(i, f"{i:064x}", [1 + (i * bpc + j) * stride for j in range(bpc)]) for i in range(chunks)]

@@ -179,14 +179,15 @@ class AscendStoreWorker:
         caps = self.guard.capabilities
         self.sync = DeviceSync(device)
         on_device = self.kv_on_device = device.type != "cpu" or self.treat_kv_as_device
+        # Device KV copies batched (a device's default; also for CPU KV taken for device KV).
         if on_device and not caps.device_memory:
             # The backend cannot read device memory: go through pinned host buffers, in batches.
-            self.staging = HostStaging(kv_caches, self.ctx.config.staging_buffer_bytes)
+            self.staging = HostStaging(kv_caches, self.ctx.config.staging_buffer_bytes, batched=True)
             self.engine.stager = self.staging
         elif on_device:
             # It reads device memory, but a get that overran may still write: loads that
             # need a landing buffer get one on the device (the core's is host memory).
-            self.engine.use_landing(lambda register: DeviceLanding(kv_caches, PIPELINE_BYTES, register))
+            self.engine.use_landing(lambda register: DeviceLanding(kv_caches, PIPELINE_BYTES, register, batched=True))
         self.layout = KVLayout(
             [
                 LayerSpan.from_view(name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size())

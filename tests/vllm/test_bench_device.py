@@ -21,10 +21,14 @@ def test_bench_device_checks_and_reports_every_figure():
     assert len(res["checks"]) == 2
     for checks in res["checks"].values():
         assert "note" not in checks, checks["note"]  # the round trip went through the local pool
-        assert [v for k, v in checks.items()] == [True] * 7
+        # staging and landing, batched and region by region, then GR
+        assert sum(k.endswith("(batched)") for k in checks) == sum(k.endswith("(per region)") for k in checks) == 4
+        assert [v for k, v in checks.items()] == [True] * 11
     for row in res["shapes"]:
         assert row["regions"] == 8 * row["objects"]  # 4 layers x K and V
-        for k in ("staged save / one copy", "staged load / one copy", "landing commit / one copy"):
+        assert row["gather_bytes"] == 64 << 20
+        for k in ("staged save / one copy", "staged load / one copy", "landing commit / one copy",
+                  "per-region save / one copy", "per-region load / one copy", "per-region commit / one copy"):
             assert row["ratio"][k]["median"] > 0
 
 
@@ -40,8 +44,27 @@ def test_bench_device_checks_see_a_wrong_copy(monkeypatch):
 
     monkeypatch.setattr(DeviceLanding, "commit_in", ignores_ok)
     res = bench_device.check(torch.device("cpu"), 2, 10, 1024, 1)
-    assert res["landing: ok objects copied, the others untouched"] is False
-    assert res["staged load: device KV == before"] is True
+    for mode in ("batched", "per region"):
+        assert res[f"landing: ok objects copied, the others untouched ({mode})"] is False
+        assert res[f"staged load: device KV == before ({mode})"] is True
+
+
+def test_bench_device_checks_see_a_batched_copy_that_misplaces_regions(monkeypatch):
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_device
+    finally:
+        sys.path.remove(str(BENCH))
+
+    def rotated(self, dst, src, disjoint):  # each region gets its neighbour's bytes (all are one size here)
+        src = list(src)
+        for d, s in zip(dst, src[1:] + src[:1], strict=True):
+            d.copy_(s)
+
+    monkeypatch.setattr(HostStaging, "_fused_copy", rotated)
+    res = bench_device.check(torch.device("cpu"), 2, 10, 1024, 1)
+    assert res["staged load: device KV == before (batched)"] is False
+    assert res["staged load: device KV == before (per region)"] is True
 
 
 def test_bench_device_gr_check_sees_a_wrong_copy(monkeypatch):

@@ -120,24 +120,34 @@ class GRStaging:
             return None
 
     # -- copies -----------------------------------------------------------------------
-    def _views(self, regions: Sequence[Region]) -> list[torch.Tensor]:
+    def _views(self, regions: Sequence[Region]) -> tuple[list[torch.Tensor], list[bool]]:
+        """The regions' views (empty ones left out), and which of them are device KV."""
         view = self.buffers.device_view
-        out = []
+        out, is_kv = [], []
         for r in regions:
             if r.length:
                 v = view(r)
+                is_kv.append(v is not None)
                 out.append(_host_view(r) if v is None else v)
-        return out
+        return out, is_kv
 
     def _copy(self, objects: Sequence[Sequence[Region]], buf: torch.Tensor, to_buf: bool) -> None:
-        theirs = self._views([r for rs in objects for r in rs])
+        theirs, is_kv = self._views([r for rs in objects for r in rs])
         if not theirs:
             return
         mine = buf[: sum(v.numel() for v in theirs)].split([v.numel() for v in theirs])
-        if to_buf:
-            self.buffers.copy_all(mine, theirs)
-        else:
-            self.buffers.copy_all(theirs, mine)
+        # Headers and records (host memory) one copy each; the KV's views batched.
+        pairs = list(zip(mine, theirs, is_kv, strict=True))
+        other_mine = [m for m, _, k in pairs if not k]
+        if other_mine:
+            other_theirs = [t for _, t, k in pairs if not k]
+            if to_buf:
+                self.buffers.copy_all(other_mine, other_theirs)
+            else:
+                self.buffers.copy_all(other_theirs, other_mine)
+        kv_mine = [m for m, _, k in pairs if k]
+        if kv_mine:
+            self.buffers.copy_kv([t for _, t, k in pairs if k], kv_mine, to_kv=not to_buf)
 
     # -- the transfer -----------------------------------------------------------------
     def transfer(self, op: str, regions: list[list[Region]], call: StagedCall

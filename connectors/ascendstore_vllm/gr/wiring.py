@@ -215,7 +215,9 @@ class GRAttachment:
         direct = bool(getattr(guard, "direct", True))
         if on_device or not direct or caps.needs_registration:
             kind = DeviceBuffers if on_device and caps.device_memory else HostStaging
-            self._stage_through(self.store, kind(kv_caches, self.ctx.config.staging_buffer_bytes))
+            # (device KV copies batched: a device's default, also for CPU KV taken for device KV)
+            self._stage_through(self.store, kind(kv_caches, self.ctx.config.staging_buffer_bytes,
+                                                 batched=True if on_device else None))
         sync = DeviceSync(device)
         self.worker.before_save = lambda block_ids: sync.synchronize()
         layout = KVLayout([
