@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 VIEW_CACHE_ENTRIES = 1 << 14
 
 #: device memory a stager gathers regions into before one copy to its host buffer (and
-#: scatters from after one copy back), in pieces of this size. Measured on an H200 with
+#: scatters from after one copy back), in pieces of this size, per direction. Measured on an H200 with
 #: 32 KiB regions (16-token blocks of a 32-layer model): one copy per region moves 3-7
 #: GB/s, batched 20-35, one copy of the same bytes 55 (docs/benchmarking.md).
 GATHER_BYTES = 64 << 20
@@ -153,11 +153,14 @@ class HostStaging(HostBuffers):
         # memcpy and the gather a second pass, so per-region copies stay the default there.
         self.batched = self.device.type != "cpu" if batched is None else batched
         self._fused = hasattr(torch, "_foreach_copy_")
-        self._gather: torch.Tensor | None = None
+        #: gather buffers by direction (True: loads): a save and a load may run at once
+        #: (the save thread beside async or layerwise loads), as with the host buffers
+        self._gathers: dict[bool, torch.Tensor | None] = {True: None, False: None}
         super().__init__(capacity, buffers)
         if self.batched and self.GATHERS and min(gather_bytes, capacity) > 0:
             # No larger than a host buffer: the engine cuts batches to that.
-            self._gather = self._alloc_gather(min(gather_bytes, capacity))
+            for to_kv in (False, True):
+                self._gathers[to_kv] = self._alloc_gather(min(gather_bytes, capacity))
 
     def _alloc_gather(self, nbytes: int) -> torch.Tensor | None:
         try:
@@ -297,7 +300,7 @@ class HostStaging(HostBuffers):
             else:
                 self._fused_copy(mine, devs, True)
             return
-        gather = self._gather
+        gather = self._gathers[to_kv]
         if gather is None:  # no room for it on the device: one copy per region
             for d, h in zip(devs, _views(buf, offs, lens, 0, len(devs)), strict=True):
                 (d.copy_(h, non_blocking=True) if to_kv else h.copy_(d, non_blocking=True))
@@ -351,7 +354,7 @@ class HostStaging(HostBuffers):
         m = len(addr)
         if m == 0:
             return True
-        gather = self._gather if self.GATHERS else None
+        gather = self._gathers[True] if self.GATHERS else None
         if self.GATHERS and gather is None:
             return False
         # The fixed cost is per allocation and per piece of the gather buffer: count the

@@ -455,9 +455,9 @@ def test_gr_staging_is_bounded_while_the_kv_cache_is_many_times_larger(pool, eng
     assert_kv_exact(b, "b1", p)
     st = gr_stats(b)
     assert (st["swapin_attempts"], st["swapin_successes"]) == (1, 1)
-    # two engines, each: two staging buffers and the gather buffer (no larger than one;
+    # two engines, each: two staging buffers and two gather buffers (no larger than one;
     # device memory on a device, host memory here), plus small per-transfer scratch
-    assert 0 < allocs.bytes <= 2 * (3 * staging) + (64 << 10), (allocs.bytes, kv_bytes)
+    assert 0 < allocs.bytes <= 2 * (4 * staging) + (64 << 10), (allocs.bytes, kv_bytes)
 
 
 def test_a_device_memory_backend_is_handed_only_memory_it_can_address(pool, engines, monkeypatch):

@@ -304,8 +304,8 @@ def test_loads_scatter_by_rows_only_where_a_piece_holds_many_regions_per_allocat
 
 def test_the_gather_buffer_is_no_larger_than_a_host_buffer_and_without_room_copies_go_one_by_one(monkeypatch, caplog):
     kv, scratch = _kv()
-    assert HostStaging(kv, 4096, batched=True)._gather.numel() == 4096
-    assert HostStaging(kv, 1 << 30, batched=True, gather_bytes=8192)._gather.numel() == 8192
+    assert [g.numel() for g in HostStaging(kv, 4096, batched=True)._gathers.values()] == [4096, 4096]
+    assert [g.numel() for g in HostStaging(kv, 1 << 30, batched=True, gather_bytes=8192)._gathers.values()] == [8192] * 2
     real_empty = torch.empty
 
     def empty(*args, **kwargs):  # the device has no room left for the gather buffer
@@ -317,7 +317,7 @@ def test_the_gather_buffer_is_no_larger_than_a_host_buffer_and_without_room_copi
     with caplog.at_level("WARNING"):
         st = HostStaging(kv, 1 << 20, batched=True, gather_bytes=1 << 16)
     monkeypatch.setattr(torch, "empty", real_empty)
-    assert st._gather is None and "no room on cpu for a 0.0625 MiB gather buffer" in caplog.text
+    assert st._gathers == {True: None, False: None} and "no room on cpu for a 0.0625 MiB gather buffer" in caplog.text
     rng = random.Random(8)
     ops = _objects(kv, scratch, rng, distinct=True)
     regions = st.stage_out(ops)
@@ -330,3 +330,50 @@ def test_the_gather_buffer_is_no_larger_than_a_host_buffer_and_without_room_copi
                 assert buf[pos : pos + r.length].tobytes() == want
             pos += r.length
     _check_loads(st, kv, scratch, ops, rng, pos)
+
+
+@pytest.mark.parametrize("mode", ["batched, rows", "batched, fused", "batched in pieces, rows"])
+def test_a_save_and_a_load_at_once_never_see_each_other_s_bytes(monkeypatch, mode):
+    """The engine saves on one thread while it loads on another (async loads, layerwise):
+    each direction has buffers of its own, the gather buffer included, so neither
+    moves the other's bytes. Copies here are in the calling thread, and release
+    the GIL while they run."""
+    import threading
+
+    kv, scratch = _kv()
+    st = _stager(monkeypatch, mode, kv)
+    tensors = list(kv.values())
+    # Saves read layer 0-1's blocks; loads write layer 2's and the shared allocation's.
+    save_ops = [_Op([Region(t[h, b].data_ptr(), 256) for t in tensors[:2] for h in (0, 1)]) for b in range(12)]
+    load_ops = [_Op([Region(t[h, b].data_ptr(), 256) for t in tensors[2:] for h in (0, 1)]) for b in range(12)]
+    for op in save_ops + load_ops:
+        op.nbytes = sum(r.length for r in op.regions)
+    want = [_bytes_at(kv, r) for op in save_ops for r in op.regions]
+    n_load = sum(op.nbytes for op in load_ops)
+    fill = torch.randint(0, 256, (n_load,), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
+    errors: list[str] = []
+
+    def saves():
+        for _ in range(300):
+            st.stage_out(save_ops)
+            got = st.save_buf[: 256 * len(want)].numpy().tobytes()
+            if got != b"".join(want):
+                errors.append("a save's buffer held other bytes")
+                return
+
+    def loads():
+        for _ in range(300):
+            st.stage_in(load_ops)
+            st.load_buf[:n_load].copy_(fill)
+            st.commit_in(load_ops, [True] * len(load_ops))
+            got = b"".join(_bytes_at(kv, r) for op in load_ops for r in op.regions)
+            if got != fill.numpy().tobytes():
+                errors.append("a load wrote other bytes")
+                return
+
+    threads = [threading.Thread(target=saves), threading.Thread(target=loads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
