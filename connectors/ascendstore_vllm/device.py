@@ -23,16 +23,16 @@ log = logging.getLogger(__name__)
 VIEW_CACHE_ENTRIES = 1 << 14
 
 #: device memory a stager gathers regions into before one copy to its host buffer (and
-#: scatters from after one copy back), in pieces of this size, per direction. Measured on an H200 with
-#: 32 KiB regions (16-token blocks of a 32-layer model): one copy per region moves 3-7
-#: GB/s, batched 20-35, one copy of the same bytes 55 (docs/benchmarking.md).
+#: scatters from after one copy back), in pieces of this size, one per direction. On an
+#: H200 with 32 KiB regions (16-token blocks of a 32-layer model) one copy per region
+#: moved 3-7 GB/s, batched 14-35, one copy of the same bytes 55 (docs/benchmarking.md).
 GATHER_BYTES = 64 << 20
 
 #: loads scatter by row indices (two kernels per KV allocation, no view per region)
 #: where rows are at least this large and a piece of the gather buffer holds at least
 #: this many regions per allocation; else one fused copy of per-region views (on an
 #: H200: 32 KiB regions, ~2,000 per piece, load at 0.36-0.41 of one copy by rows and
-#: 0.26-0.32 fused; 512 KiB regions, 128 per piece, 0.50-0.53 by rows, 0.87-0.88 fused)
+#: 0.26-0.36 fused; 512 KiB regions, 128 per piece, 0.50-0.53 by rows, 0.87-0.88 fused)
 MIN_ROW_BYTES = 256
 MIN_REGIONS_PER_ALLOCATION = 32
 
