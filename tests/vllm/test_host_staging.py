@@ -96,6 +96,18 @@ def _bytes_at(kv: dict[str, torch.Tensor], r: Region) -> bytes | None:
     return None
 
 
+def _check_saved(staging: HostStaging, kv: dict[str, torch.Tensor], ops: list[_Op]) -> int:
+    """The save buffer holds each region's bytes in order; returns the bytes laid out."""
+    buf, pos = staging.save_buf.numpy(), 0
+    for op in ops:
+        for r in op.regions:
+            want = _bytes_at(kv, r)
+            if want is not None:  # scratch: its place in the buffer kept, nothing copied
+                assert buf[pos : pos + r.length].tobytes() == want
+            pos += r.length
+    return pos
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("distinct", [False, True], ids=["overlapping", "distinct"])
 @pytest.mark.parametrize("cache", ["cache", "small cache"])
@@ -109,15 +121,7 @@ def test_staged_copies_move_each_region_s_bytes_and_skip_what_is_not_device_kv(m
         ops = _objects(kv, scratch, rng, distinct)
         regions = staging.stage_out(ops)
         assert [r[0].length for r in regions] == [op.nbytes for op in ops]
-        buf = staging.save_buf.numpy()
-        pos = 0
-        for op in ops:
-            for r in op.regions:
-                want = _bytes_at(kv, r)
-                if want is not None:  # scratch: its place in the buffer kept, nothing copied
-                    assert buf[pos : pos + r.length].tobytes() == want
-                pos += r.length
-
+        pos = _check_saved(staging, kv, ops)
         _check_loads(staging, kv, scratch, ops, rng, pos)
 
 
@@ -243,13 +247,7 @@ def test_batched_saves_cross_in_one_copy_per_run_of_the_buffer(monkeypatch):
     staging.stage_out(ops)
     monkeypatch.setattr(torch.Tensor, "copy_", real_copy)
     assert crossings == [10 * 256, (len(regions) - 10) * 256]  # the scratch block splits the buffer in two runs
-    buf, pos = staging.save_buf.numpy(), 0
-    for op in ops:
-        for r in op.regions:
-            want = _bytes_at(kv, r)
-            if want is not None:
-                assert buf[pos : pos + r.length].tobytes() == want
-            pos += r.length
+    _check_saved(staging, kv, ops)
 
 
 def test_device_landing_handed_over_after_an_overrun_is_never_written_again():
@@ -322,14 +320,7 @@ def test_the_gather_buffer_is_no_larger_than_a_host_buffer_and_without_room_copi
     ops = _objects(kv, scratch, rng, distinct=True)
     regions = st.stage_out(ops)
     assert [r[0].length for r in regions] == [op.nbytes for op in ops]
-    buf, pos = st.save_buf.numpy(), 0
-    for op in ops:
-        for r in op.regions:
-            want = _bytes_at(kv, r)
-            if want is not None:
-                assert buf[pos : pos + r.length].tobytes() == want
-            pos += r.length
-    _check_loads(st, kv, scratch, ops, rng, pos)
+    _check_loads(st, kv, scratch, ops, rng, _check_saved(st, kv, ops))
 
 
 @pytest.mark.parametrize("mode", ["batched, rows", "batched, fused", "batched in pieces, rows"])
