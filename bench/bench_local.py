@@ -20,6 +20,14 @@ same kind of call as a pool put/get:
 Ratios are taken per round (pool and baseline of the same round, so of the same
 process), summarised per process as the median of its rounds.
 
+**Where the buffers sit.** The caller's buffers (put sources, get destinations)
+start ``--user-offset`` bytes past a 4 KiB boundary (0 by default: vLLM's KV
+tensors are 64-byte aligned, as torch allocates them), the mirrors on a page
+boundary as the pool's objects are, so every baseline copies between addresses
+aligned alike the pool's copy's. It matters: on AMD Zen 4, glibc's memcpy of 2 KiB-1
+MiB ran 2.5-6x slower between addresses that differ mod 64 (numpy's buffers start at
+16 mod 4096, which is what this bench used to time the pool's gets against).
+
 **Several fresh processes per run.** Writes into /dev/shm (the pool's puts, the
 ``memcpy shm`` baseline) run at a level that is steady within a process (its
 rounds within ±1-2%) but shifts from one process to the next (a 64 KiB pool put
@@ -43,7 +51,7 @@ keeps small ones. The host's /dev/shm is not touched; ``shm_huge`` in the output
 which /dev/shm the figures come from.
 
     .venv/bin/python bench/bench_local.py [--json] [--quick] [--procs N] [--rounds N] [--hugetlbfs DIR]
-        [--shm-huge advise|within_size|always|never]
+        [--shm-huge advise|within_size|always|never] [--user-offset N]
 """
 
 from __future__ import annotations
@@ -77,6 +85,13 @@ SHM_HUGE = ("always", "within_size", "advise", "never")
 app = typer.Typer(add_completion=False)
 
 
+def _at(nbytes: int, offset: int, fill: int) -> np.ndarray:
+    """``nbytes`` filled with ``fill``, starting ``offset`` bytes past a 4 KiB boundary."""
+    raw = np.full(nbytes + 2 * 4096, fill, dtype=np.uint8)
+    start = (4096 - raw.ctypes.data % 4096) % 4096 + offset
+    return raw[start:start + nbytes]
+
+
 def _open(**kw) -> LocalBackend:
     opts = LocalOptions(name=f"bench-{uuid.uuid4().hex[:8]}", **kw)
     return LocalBackend.create(opts, BackendContext())
@@ -108,7 +123,7 @@ def _checksums(hugetlbfs: str | None) -> tuple[str, ...]:
 
 
 def bench_dram(size: int, rounds: int, min_s: float, pool_bytes: int, page_size: int,
-               hugetlbfs: str | None = None) -> dict:
+               hugetlbfs: str | None = None, user_offset: int = 0) -> dict:
     """put and get with checksum off and on (and off on hugetlbfs), against the memcpy baselines."""
     pools = {
         ck: _open(capacity=pool_bytes, page_size=page_size, checksum=ck == "on", prefault=True,
@@ -118,16 +133,17 @@ def bench_dram(size: int, rounds: int, min_s: float, pool_bytes: int, page_size:
     try:
         n_keys = (pool_bytes * 3 // 4) // size // BATCH * BATCH
         batches = [[f"bench/{size}/{i + b}" for i in range(BATCH)] for b in range(0, n_keys, BATCH)]
-        user = np.random.default_rng(0).integers(0, 255, BATCH * size, dtype=np.uint8)
+        user = _at(BATCH * size, user_offset, 0)
+        user[:] = np.random.default_rng(0).integers(0, 255, BATCH * size, dtype=np.uint8)
         ua = [user.ctypes.data + j * size for j in range(BATCH)]
         regions = [[Region(a, size)] for a in ua]
         # Gets (pool and baselines) land in a buffer of their own: the put source
         # keeps what the pool holds, for the byte-exact check at the end (it used to
         # pass only when a put of batch 0 ran after the last memcpy get).
-        sink = np.ones_like(user)
+        sink = _at(BATCH * size, user_offset, 1)
         sa = [sink.ctypes.data + j * size for j in range(BATCH)]
         sregions = [[Region(a, size)] for a in sa]
-        anon = np.ones(n_keys * size, dtype=np.uint8)  # baseline's stand-in for the pool
+        anon = _at(n_keys * size, 0, 1)  # baseline's stand-in for the pool (its objects start on pages too)
         shm = _ShmMirror(n_keys * size)
         mirrors = {"anon": anon.ctypes.data, "shm": shm.addr}
         maddr = {
@@ -266,13 +282,15 @@ def _s(d: dict, digits: int = 2) -> str:
 SIZES = ((64 * KiB, 128 * MiB), (2 * MiB, 256 * MiB))
 
 
-def _dram_all(rounds: int, min_s: float, page_size: int, hugetlbfs: str | None) -> dict:
+def _dram_all(rounds: int, min_s: float, page_size: int, hugetlbfs: str | None, user_offset: int) -> dict:
     return {
-        f"dram_{size // KiB}KiB": bench_dram(size, rounds, min_s, pool, page_size, hugetlbfs) for size, pool in SIZES
+        f"dram_{size // KiB}KiB": bench_dram(size, rounds, min_s, pool, page_size, hugetlbfs, user_offset)
+        for size, pool in SIZES
     }
 
 
-def _one_process(rounds: int, min_s: float, page_size: int, hugetlbfs: str | None, shm_huge: str | None) -> dict:
+def _one_process(rounds: int, min_s: float, page_size: int, hugetlbfs: str | None, shm_huge: str | None,
+                 user_offset: int) -> dict:
     """The DRAM part in a fresh interpreter (its own mappings: see the module doc);
     with ``shm_huge``, in a mount namespace of its own over a /dev/shm mounted huge=that."""
     cmd = [
@@ -290,6 +308,8 @@ def _one_process(rounds: int, min_s: float, page_size: int, hugetlbfs: str | Non
         str(min_s),
         "--page-size",
         str(page_size),
+        "--user-offset",
+        str(user_offset),
         *(("--hugetlbfs", hugetlbfs) if hugetlbfs else ()),
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -326,8 +346,12 @@ def main(
                                   "(needs 256 MiB of huge pages reserved: vm.nr_hugepages)"),
     shm_huge: str = typer.Option("", help="run the DRAM part over a private /dev/shm mounted huge=this "
                                  f"({', '.join(SHM_HUGE)}; root); default: the host's /dev/shm"),
+    user_offset: int = typer.Option(0, "--user-offset", help="the caller's buffers start this many bytes past a "
+                                    "4 KiB boundary (0: 64-byte aligned, as vLLM's KV tensors)"),
     child: bool = typer.Option(False, "--child", hidden=True, help="one process of the DRAM part, as JSON"),
 ) -> None:
+    if not 0 <= user_offset < 4096:
+        raise typer.BadParameter(f"--user-offset must be in 0..4095, not {user_offset}")
     if shm_huge and shm_huge not in SHM_HUGE:
         raise typer.BadParameter(f"--shm-huge must be one of {', '.join(SHM_HUGE)}, not {shm_huge!r}")
     if shm_huge and os.geteuid() != 0:
@@ -337,7 +361,7 @@ def main(
     min_s = min_s or (0.03 if quick else 0.04)
     huge = hugetlbfs or None
     if child:
-        print(json.dumps(_dram_all(rounds, min_s, page_size, huge)))
+        print(json.dumps(_dram_all(rounds, min_s, page_size, huge, user_offset)))
         return
     results: dict = {
         "batch": BATCH,
@@ -345,11 +369,13 @@ def main(
         "rounds": rounds,
         "page_size": page_size,
         "hugetlbfs": huge,
+        "user_offset": user_offset,
         # the huge= of the /dev/shm the pools lived in (the kernel's default: never)
         "shm_huge": shm_huge or tmpfs_huge("/dev/shm"),
         "env_before": env_info(),
     }
-    results.update(_across([_one_process(rounds, min_s, page_size, huge, shm_huge or None) for _ in range(procs)]))
+    results.update(_across([_one_process(rounds, min_s, page_size, huge, shm_huge or None, user_offset)
+                            for _ in range(procs)]))
     results["exists_512_us"] = bench_exists(512, 20 if quick else 60, rounds)
     results["disk_64KiB"] = bench_disk(64 * KiB, 32 * MiB if quick else 64 * MiB, 2 if quick else 3)
     results["env_after"] = env_info()
@@ -358,7 +384,8 @@ def main(
         return
     con = Console(width=160)
     t = Table(
-        title=f"local pool vs memcpy (/dev/shm huge={results['shm_huge']}), batches of {BATCH}, {procs} processes x "
+        title=f"local pool vs memcpy (/dev/shm huge={results['shm_huge']}, caller's buffers at {user_offset} "
+        f"past a page), batches of {BATCH}, {procs} processes x "
         f"{rounds} interleaved rounds: "
         "median (min..max) ±half-spread across the process medians; ratio = pool / baseline of the same round"
     )

@@ -26,6 +26,7 @@ def test_bench_local_quick_reports_every_figure(tmp_path):
         check=True,
     )
     res = json.loads(out.stdout)
+    assert res["user_offset"] == 0  # the caller's buffers 64-byte aligned, as vLLM's KV
     for size in ("64KiB", "2048KiB"):
         r = res[f"dram_{size}"]
         for op in ("put", "get"):
@@ -56,6 +57,20 @@ def test_bench_local_quick_reports_every_figure(tmp_path):
     assert res["shm_huge"] == host
     if host == "never":  # the usual default: the pools' segments in 4 KiB pages, and said so
         assert res["dram_2048KiB"]["pages"] == {"off": ["small"], "on": ["small"]}
+
+
+def test_buffers_start_where_the_bench_says():
+    """The caller's buffers at --user-offset past a page, the mirrors on one (as the
+    pool's objects): glibc's memcpy speed depends on the two addresses mod 64."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_local
+
+    for off in (0, 16, 64, 4095):
+        a = bench_local._at(5000, off, 7)
+        assert a.ctypes.data % 4096 == off and len(a) == 5000 and (a == 7).all()
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_local.py"), "--user-offset", "4096"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--user-offset" in out.stderr and "4096" in out.stderr
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None
