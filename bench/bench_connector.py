@@ -5,7 +5,13 @@
    backend client's GB/s moving the same objects between the same regions.
    Goal: >= 0.9. Each row's figure is the median over 5 fresh processes of each
    process's median over interleaved rounds (a process's connector put runs at a
-   level of its own on this VM). ``--backend mooncake`` starts a real
+   level of its own on this VM). With the local pool the rows run on one CPU
+   (``--pin-cpu``, the process's first by default: the connector's save and load
+   threads inherit it), so that the connector's copy on its save thread and the raw
+   call on the bench's thread find the source in the same caches: left to the
+   scheduler, the save thread on another vCPU than the thread that last read the KV
+   made 64 KiB-block puts read 0.70-0.94 of the raw call over processes, against
+   0.92-0.99 on one CPU (2026-12-04, AMD EPYC; ``--pin-cpu -1`` runs them unpinned). ``--backend mooncake`` starts a real
    ``mooncake_master`` on loopback (re-running itself in a private network
    namespace, as root) and compares against the worker's own client's zero-copy
    batch calls; it adds the connector's get as an async load makes it (on the
@@ -24,7 +30,7 @@
    processes, whose levels differ by up to a quarter (one process's median did
    not reproduce in the next run). Goal: <= 0.10.
 
-    .venv/bin/python bench/bench_connector.py [--backend local|mooncake] [--quick] [--json]
+    .venv/bin/python bench/bench_connector.py [--backend local|mooncake] [--quick] [--json] [--pin-cpu N]
     BENCH_CLOCK=wall .venv/bin/python bench/bench_connector.py --backend mooncake --segment remote
 """
 
@@ -229,8 +235,12 @@ def transfer_ratio(backend: str, num_chunks: int, rounds: int, blocks_per_chunk:
         clear()
         if raw is not None:
             raw.close()
+        # the CPUs the engine's transfer threads could run on (--pin-cpu reaches them)
+        cpus = sorted({c for t in w.engine._threads if t.is_alive() and t.native_id
+                       for c in os.sched_getaffinity(t.native_id)})
         return {"gbps": {k: stat(v).as_dict() for k, v in s.items()},
                 "ratio": {op: ratios(s[f"conn {op}"], s[f"raw {op.split()[0]}"]).as_dict() for op in compared},
+                "engine_thread_cpus": cpus,
                 "object_bytes": nbytes / num_chunks, "objects": num_chunks, "blocks_per_chunk": bpc,
                 "block_size": block_size}
     finally:
@@ -331,14 +341,24 @@ def scheduler_ratio(backend: str, num_requests: int, steps: int, engines: int, p
             "per_step": stat(c / s for s, c in steady).as_dict()}
 
 
-def _transfer_rows(backend: str, n: int, rounds: int) -> list[dict]:
-    """The four transfer shapes, in this process."""
-    # 192 x 512 KiB, 48 x 2 MiB, a small step of 64 x 512 KiB, and 64 x 4 MiB (128-token blocks)
-    return [transfer_ratio(backend, n, rounds, 1), transfer_ratio(backend, n // 4, rounds, 4),
-            transfer_ratio(backend, 64, rounds, 1), transfer_ratio(backend, 64, rounds, 1, block_size=128)]
+def _transfer_rows(backend: str, n: int, rounds: int, pin_cpu: int | None = None) -> list[dict]:
+    """The four transfer shapes, in this process; with ``pin_cpu``, on that CPU only (the
+    calling thread, and so the engine threads it starts; its own mask restored after)."""
+    mask = os.sched_getaffinity(0)
+    if pin_cpu is not None:
+        os.sched_setaffinity(0, {pin_cpu})
+    try:
+        # 192 x 512 KiB, 48 x 2 MiB, a small step of 64 x 512 KiB, and 64 x 4 MiB (128-token blocks)
+        rows = [transfer_ratio(backend, n, rounds, 1), transfer_ratio(backend, n // 4, rounds, 4),
+                transfer_ratio(backend, 64, rounds, 1), transfer_ratio(backend, 64, rounds, 1, block_size=128)]
+    finally:
+        os.sched_setaffinity(0, mask)
+    for r in rows:
+        r["pin_cpu"] = pin_cpu
+    return rows
 
 
-def transfers_across(backend: str, n: int, rounds: int, procs: int) -> list[dict]:
+def transfers_across(backend: str, n: int, rounds: int, procs: int, pin_cpu: int | None = None) -> list[dict]:
     """The transfer rows measured in ``procs`` fresh processes, one after the other: every
     figure the median of the process medians (min..max across processes), with each
     process's median. A process's connector put runs at a level of its own (the save
@@ -346,11 +366,11 @@ def transfers_across(backend: str, n: int, rounds: int, procs: int) -> list[dict
     one process, within +-10% in the next), which more rounds in one process cannot
     average out."""
     if procs <= 1:
-        return _transfer_rows(backend, n, rounds)
-    runs = [_in_fresh_process(f"b._transfer_rows({backend!r}, {n}, {rounds})") for _ in range(procs)]
+        return _transfer_rows(backend, n, rounds, pin_cpu)
+    runs = [_in_fresh_process(f"b._transfer_rows({backend!r}, {n}, {rounds}, {pin_cpu!r})") for _ in range(procs)]
     rows = []
     for i, first in enumerate(runs[0]):
-        row = {k: v for k, v in first.items() if k not in ("gbps", "ratio")}
+        row = {k: v for k, v in first.items() if k not in ("gbps", "ratio")}  # (pin_cpu among them)
         row["gbps"] = {case: across_processes([r[i]["gbps"][case] for r in runs]) for case in first["gbps"]}
         row["ratio"] = {op: across_processes([r[i]["ratio"][op] for r in runs]) for op in first["ratio"]}
         row["processes"] = procs
@@ -367,7 +387,10 @@ def main(backend: str = "local", quick: bool = False, as_json: bool = typer.Opti
          rounds: int = typer.Option(0, help="interleaved rounds per process (0: 7, --quick: 3)"),
          procs: int = typer.Option(0, help="fresh processes for the transfer rows (0: 5, --quick: 1)"),
          segment: str = typer.Option("own", help="mooncake: whose segment holds the objects, the worker's "
-                                     "client's own or another client's (remote: read across a socket)")) -> None:
+                                     "client's own or another client's (remote: read across a socket)"),
+         pin_cpu: int = typer.Option(None, "--pin-cpu", help="run the transfer rows on this CPU only (local: the "
+                                     "process's first CPU by default; -1: unpinned; mooncake: unpinned by default, "
+                                     "its client's threads would share the CPU)")) -> None:
     import torch
 
     if segment not in ("own", "remote"):
@@ -377,6 +400,13 @@ def main(backend: str = "local", quick: bool = False, as_json: bool = typer.Opti
         raise typer.BadParameter("remote is for --backend mooncake, timed by the wall clock (BENCH_CLOCK=wall)",
                                  param_hint="--segment")
 
+    allowed = os.sched_getaffinity(0)
+    if pin_cpu is None:
+        pin_cpu = min(allowed) if backend == "local" else -1
+    if pin_cpu != -1 and pin_cpu not in allowed:
+        raise typer.BadParameter(f"CPU {pin_cpu} is not one this process may run on ({sorted(allowed)}); "
+                                 "-1 leaves the rows unpinned", param_hint="--pin-cpu")
+    pin = None if pin_cpu == -1 else pin_cpu
     torch.set_num_threads(1)  # no OpenMP workers spinning on the CPU clock between torch ops
     n = 64 if quick else 192
     rounds = rounds or (3 if quick else 7)
@@ -391,7 +421,7 @@ def main(backend: str = "local", quick: bool = False, as_json: bool = typer.Opti
     try:
         if segment == "remote":
             lender = start_lender(os.environ[MASTER_ENV], LENDER_BYTES)
-        transfers = transfers_across(backend, n, rounds, procs)
+        transfers = transfers_across(backend, n, rounds, procs, pin)
         # 3 warm-up steps + two 16-step chunk periods per engine; 24 engines in 8 processes (3 in
         # this one with --quick): per-engine levels differ by up to 2x on this VM (~30 us of work
         # per step), per-process ones by up to a quarter, so many of both. Local pool only: a
@@ -404,7 +434,8 @@ def main(backend: str = "local", quick: bool = False, as_json: bool = typer.Opti
         if master is not None:
             master.kill()
             master.wait()
-    out = {"transfer": transfers, "scheduler": s, "rounds": rounds, "processes": procs, "env_before": env0,
+    out = {"transfer": transfers, "scheduler": s, "rounds": rounds, "processes": procs, "pin_cpu": pin,
+           "env_before": env0,
            "env_after": env_info(), "segment": segment if backend == "mooncake" else None, "clock": CLOCK_NAME}
     if as_json:
         print(json.dumps(out, indent=2))
@@ -414,8 +445,9 @@ def main(backend: str = "local", quick: bool = False, as_json: bool = typer.Opti
             "each" if procs > 1 else f"median (min..max) over {rounds} interleaved rounds")
     where = f" (objects in {'another client' if segment == 'remote' else 'its own'}'s segment)" \
         if backend == "mooncake" else ""
-    tab = Table(title=f"connector path vs raw {backend} client{where}, same objects and regions; GB/s and ratio "
-                f"(per round, {CLOCK_NAME} clock): {over}")
+    on = f"on CPU {pin}" if pin is not None else "unpinned"
+    tab = Table(title=f"connector path vs raw {backend} client{where}, same objects and regions, {on}; GB/s and "
+                f"ratio (per round, {CLOCK_NAME} clock): {over}")
     for col in ("op", "objects", "connector GB/s", "raw GB/s", "ratio (goal >= 0.9)"):
         tab.add_column(col)
     for t in transfers:

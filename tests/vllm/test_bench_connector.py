@@ -14,7 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_connector_quick_reports_every_figure():
     res = run_bench("bench_connector.py", "--quick")
     assert len(res["transfer"]) == 4
+    # the local rows on one CPU, the process's first: the engine's save and load threads too
+    first = min(os.sched_getaffinity(0))
+    assert res["pin_cpu"] == first
     for t in res["transfer"]:
+        assert t["pin_cpu"] == first and t["engine_thread_cpus"] == [first], t
         for op in ("put", "get"):
             for case in (f"conn {op}", f"raw {op}"):
                 g = t["gbps"][case]
@@ -25,6 +29,16 @@ def test_bench_connector_quick_reports_every_figure():
     # One ratio per engine instance; each is connector time over schedule() time.
     assert s["ratio"]["n"] == 3 and 0 < s["ratio"]["min"] <= s["ratio"]["median"] <= s["ratio"]["max"] < 1
     assert 0 < s["connector_ms"] < s["schedule_ms"]
+
+
+def test_bench_connector_pin_cpu_leaves_rows_unpinned_or_refuses_a_cpu_it_may_not_use():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_connector.py"), "--pin-cpu", "4096",
+                          "--quick"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--pin-cpu" in out.stderr, out.stderr
+    res = run_bench("bench_connector.py", "--quick", "--pin-cpu", "-1")
+    assert res["pin_cpu"] is None
+    mask = sorted(os.sched_getaffinity(0))
+    assert all(t["pin_cpu"] is None and t["engine_thread_cpus"] == mask for t in res["transfer"])
 
 
 def test_bench_connector_remote_segment_needs_mooncake_and_the_wall_clock():
