@@ -519,7 +519,11 @@ static void nt_setup(void) {
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx2"))) static void nt_copy_avx2(uint8_t *dst, const uint8_t *src, size_t n) {
+/* dst aligned to 32 bytes first, then 128 bytes a step (unaligned loads; stores that
+ * stream past the cache with nt, else aligned regular ones), the tail by memcpy. nt is
+ * a constant in each caller below, so each gets a loop of its own kind. */
+__attribute__((target("avx2"), always_inline)) static inline void copy_avx2(uint8_t *dst, const uint8_t *src,
+                                                                          size_t n, const int nt) {
     size_t head = (32 - ((uintptr_t)dst & 31)) & 31;
     if (head) {
         memcpy(dst, src, head);
@@ -532,12 +536,27 @@ __attribute__((target("avx2"))) static void nt_copy_avx2(uint8_t *dst, const uin
         __m256i b = _mm256_loadu_si256((const __m256i *)(src + 32));
         __m256i c = _mm256_loadu_si256((const __m256i *)(src + 64));
         __m256i d = _mm256_loadu_si256((const __m256i *)(src + 96));
-        _mm256_stream_si256((__m256i *)dst, a);
-        _mm256_stream_si256((__m256i *)(dst + 32), b);
-        _mm256_stream_si256((__m256i *)(dst + 64), c);
-        _mm256_stream_si256((__m256i *)(dst + 96), d);
+        if (nt) {
+            _mm256_stream_si256((__m256i *)dst, a);
+            _mm256_stream_si256((__m256i *)(dst + 32), b);
+            _mm256_stream_si256((__m256i *)(dst + 64), c);
+            _mm256_stream_si256((__m256i *)(dst + 96), d);
+        } else {
+            _mm256_store_si256((__m256i *)dst, a);
+            _mm256_store_si256((__m256i *)(dst + 32), b);
+            _mm256_store_si256((__m256i *)(dst + 64), c);
+            _mm256_store_si256((__m256i *)(dst + 96), d);
+        }
     }
     if (n) memcpy(dst, src, n);
+}
+
+__attribute__((target("avx2"))) static void nt_copy_avx2(uint8_t *dst, const uint8_t *src, size_t n) {
+    copy_avx2(dst, src, n, 1);
+}
+
+__attribute__((target("avx2"))) static void vec_copy_avx2(uint8_t *dst, const uint8_t *src, size_t n) {
+    copy_avx2(dst, src, n, 0);
 }
 #endif
 
@@ -546,33 +565,10 @@ __attribute__((target("avx2"))) static void nt_copy_avx2(uint8_t *dst, const uin
  * 2.36) ran 2.5-6x slower than when they are: 64 KiB objects from a /dev/shm page
  * into a buffer at 16 mod 64 (numpy's, malloc's) 8.1 GB/s, at 1 or 8 mod 64 3.4,
  * against 20-21 aligned alike, while a vector loop read 19-21 at every offset. So
- * copies from MISALIGNED_MIN bytes whose addresses differ mod 64 take the loop below
- * (stores aligned to 32 bytes, loads unaligned). vLLM's KV tensors and the pool's
+ * copies from MISALIGNED_MIN bytes whose addresses differ mod 64 take vec_copy_avx2
+ * (above: stores aligned to 32 bytes, loads unaligned). vLLM's KV tensors and the pool's
  * pages are 64-byte aligned, so its own copies usually keep memcpy. */
 #define MISALIGNED_MIN 2048u
-
-#if defined(__x86_64__)
-__attribute__((target("avx2"))) static void vec_copy_avx2(uint8_t *dst, const uint8_t *src, size_t n) {
-    size_t head = (32 - ((uintptr_t)dst & 31)) & 31;
-    if (head) {
-        memcpy(dst, src, head);
-        dst += head;
-        src += head;
-        n -= head;
-    }
-    for (; n >= 128; n -= 128, src += 128, dst += 128) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)src);
-        __m256i b = _mm256_loadu_si256((const __m256i *)(src + 32));
-        __m256i c = _mm256_loadu_si256((const __m256i *)(src + 64));
-        __m256i d = _mm256_loadu_si256((const __m256i *)(src + 96));
-        _mm256_store_si256((__m256i *)dst, a);
-        _mm256_store_si256((__m256i *)(dst + 32), b);
-        _mm256_store_si256((__m256i *)(dst + 64), c);
-        _mm256_store_si256((__m256i *)(dst + 96), d);
-    }
-    if (n) memcpy(dst, src, n);
-}
-#endif
 
 /* memcpy(dst, src, n), streaming when nt (see nt_put_min) and n is large enough,
  * by a vector loop when dst and src are not aligned alike (MISALIGNED_MIN). */
