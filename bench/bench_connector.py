@@ -11,9 +11,9 @@
    call on the bench's thread find the source in the same caches: left to the
    scheduler, the save thread on another vCPU than the thread that last read the KV
    made 64 KiB-block puts read 0.70-0.94 of the raw call over processes, against
-   0.92-0.99 on one CPU (2026-12-04, AMD EPYC; ``--pin-cpu -1`` runs them unpinned). ``--backend mooncake`` starts a real
-   ``mooncake_master`` on loopback (re-running itself in a private network
-   namespace, as root) and compares against the worker's own client's zero-copy
+   0.92-0.99 on one CPU (2026-12-04, AMD EPYC; ``--pin-cpu -1`` runs them unpinned).
+   ``--backend mooncake`` starts a real ``mooncake_master`` on loopback (re-running
+   itself in a private network namespace, as root) and compares against the worker's own client's zero-copy
    batch calls; it adds the connector's get as an async load makes it (on the
    load thread) beside the sync load's (vLLM's forward thread), the async get
    into vLLM's blocks (``direct_async_loads``), and the put with the exists the
