@@ -307,6 +307,32 @@ def agree(a: object, b: object, tol: float = 0.10) -> list[tuple[str, float, flo
     return rows
 
 
+def _absolutes(obj: object, path: str = "") -> dict[str, float]:
+    """Every ``{"median": ...}`` under no 'ratio' key: the rates and times a run's
+    ratios are formed from (``env_*`` left out: the host's state, not a figure)."""
+    out: dict[str, float] = {}
+    if isinstance(obj, dict):
+        if "median" in obj and isinstance(obj["median"], int | float) and "ratio" not in path:
+            out[path] = float(obj["median"])
+        for k, v in obj.items():
+            if not (k.startswith("env") or "ratio" in k):
+                out.update(_absolutes(v, f"{path}/{k}"))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out.update(_absolutes(v, f"{path}/{i}"))
+    return out
+
+
+def moved(a: object, b: object) -> list[tuple[str, float, float, float]]:
+    """(path, median A, median B, relative difference) of every absolute figure in
+    both runs: which side of a ratio that disagrees moved (the thing measured, or its
+    baseline). Shown by ``agree``, never held to a bound: a host's speed may move
+    between runs, a ratio formed in one run should not."""
+    ma, mb = _absolutes(a), _absolutes(b)
+    return [(p, ma[p], mb[p], abs(ma[p] - mb[p]) / max(abs(ma[p]), abs(mb[p]), 1e-12))
+            for p in sorted(set(ma) & set(mb))]
+
+
 def _main(argv: list[str]) -> int:
     if len(argv) != 4 or argv[1] != "agree":
         print("usage: python bench/harness.py agree A.json B.json", file=sys.stderr)
@@ -322,9 +348,19 @@ def _main(argv: list[str]) -> int:
         tag = note.upper().ljust(3) if note else ("OK " if d <= 0.10 else "OFF")
         print(f"{tag} {d * 100:5.1f}%  {x:8.3f} {y:8.3f}  {path}")
     info = len(rows) - len(held)
-    print(f"{len(held)} ratios, {sum(d > 0.10 for *_, d, _ in held)} differ by more than 10% (worst {worst * 100:.1f}%)"
+    off = sum(d > 0.10 for *_, d, _ in held)
+    print(f"{len(held)} ratios, {off} differ by more than 10% (worst {worst * 100:.1f}%)"
           + (f"; {info} shown, not compared (MIX: rounds of both host levels; FEW: < {LEVEL_MIN_ROUNDS} rounds "
              "at that level)" if info else ""))
+    if off:
+        # Which side moved: a ratio apart over a baseline that moved while the pool
+        # held (or the reverse) is the host, not the code (docs/benchmarking.md).
+        figs = moved(a, b)
+        for path, x, y, d in figs:
+            if d > 0.10:
+                print(f"MOVED {d * 100:5.1f}%  {x:8.3f} {y:8.3f}  {path}")
+        print(f"{len(figs)} absolute figures (rates, times), {sum(d > 0.10 for *_, d in figs)} moved by more "
+              "than 10% (shown above as MOVED; the others held)")
     return 0 if held and worst <= 0.10 else 1
 
 

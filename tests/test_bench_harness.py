@@ -74,6 +74,31 @@ def test_agree_flags_ratios_more_than_10_percent_apart(tmp_path):
     assert subprocess.run(cmd, capture_output=True).returncode == 0
 
 
+def test_agree_names_the_side_of_a_ratio_that_moved(tmp_path):
+    # The pool held at 20 GB/s, its memcpy baseline went from 13 to 17: the ratio is 23%
+    # apart because of the baseline, and agree says so; the host's state is no figure.
+    def run(memcpy: float, load: float) -> dict:
+        return {"x": {"gbps": {"pool": {"median": 20.0}, "memcpy": {"median": memcpy}},
+                      "ratio": {"pool / memcpy": {"median": 20.0 / memcpy}}},
+                "env_before": {"loadavg": {"median": load}}}
+
+    figs = {p: d for p, _, _, d in harness.moved(run(13.0, 0.5), run(17.0, 2.0))}
+    assert set(figs) == {"/x/gbps/pool", "/x/gbps/memcpy"}  # no ratio, no env_*
+    assert figs["/x/gbps/pool"] == 0 and figs["/x/gbps/memcpy"] == pytest.approx(4 / 17)
+    fa, fb = tmp_path / "a.json", tmp_path / "b.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "harness.py"), "agree", str(fa), str(fb)]
+    fa.write_text(json.dumps(run(13.0, 0.5)))
+    fb.write_text(json.dumps(run(17.0, 0.5)))
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 1  # a moved baseline still fails the pair: only explained
+    moved_lines = [ln for ln in out.stdout.splitlines() if ln.startswith("MOVED")]
+    assert len(moved_lines) == 1 and moved_lines[0].endswith("/x/gbps/memcpy")
+    assert "2 absolute figures (rates, times), 1 moved by more than 10%" in out.stdout
+    fb.write_text(json.dumps(run(13.5, 0.5)))  # within 10%: nothing to explain
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 0 and "MOVED" not in out.stdout
+
+
 def test_interleave_probes_the_host_level_around_each_round(monkeypatch):
     probes = iter([10.0, 12.0, 30.0, 11.0, 31.0, 29.0])  # warm-up round unprobed after; then before/after
     monkeypatch.setattr(harness, "host_level_us", lambda: next(probes))

@@ -36,6 +36,31 @@ def test_multi_region_put_get_byte_exact(open_backend) -> None:
     assert b.capabilities.zero_copy and b.capabilities.shared_across_nodes
 
 
+def test_objects_of_one_region_each_round_trip_in_any_shape(open_backend) -> None:
+    # One region per object is the engine's shape; sizes differ, and a read may scatter
+    # differently than the write.
+    b = open_backend()
+    sizes = [65536, 4096, 65536, 100, 65536]
+    src = payload(9, sum(sizes))
+    offs = np.cumsum([0, *sizes[:-1]]).tolist()
+    keys = [f"flat/{i}" for i in range(len(sizes))]
+    assert b.put(keys, [[region(src, o, n)] for o, n in zip(offs, sizes, strict=True)], T) == [Status.OK] * 5
+    dst = np.zeros_like(src)
+    assert b.get(keys, [[region(dst, o, n)] for o, n in zip(offs, sizes, strict=True)], T) == [Status.OK] * 5
+    assert np.array_equal(dst, src)
+    dst2 = np.zeros_like(src)  # the first object read back in two regions
+    assert b.get(keys[:1], [[region(dst2, 0, 1000), region(dst2, 1000, 65536 - 1000)]], T) == [Status.OK]
+    assert np.array_equal(dst2[:65536], src[:65536])
+    # one bad key among one-region objects: the rest are stored and read as ever
+    more = ["flat/x", "", "flat/y"]
+    assert b.put(more, [[region(src, 0, 4096)]] * 3, T) == [Status.OK, Status.INVALID, Status.OK]
+    dst3 = np.zeros(3 * 4096, dtype=np.uint8)
+    assert b.get(more, [[region(dst3, i * 4096, 4096)] for i in range(3)], T) == [
+        Status.OK, Status.INVALID, Status.OK]
+    assert np.array_equal(dst3[:4096], src[:4096]) and np.array_equal(dst3[8192:], src[:4096])
+    assert not dst3[4096:8192].any()
+
+
 def test_duplicate_put_keeps_first_value_as_declared(open_backend) -> None:
     b = open_backend()
     assert b.capabilities.overwrite_on_put is False
