@@ -294,7 +294,16 @@ def _medians(obj: object, path: str = "", mixed: bool = False) -> dict[str, tupl
     return out
 
 
-def agree(a: object, b: object, tol: float = 0.10) -> list[tuple[str, float, float, float, str]]:
+#: how far apart two runs' figures may be (relative to the larger)
+AGREE_TOL = 0.10
+
+
+def _apart(x: float, y: float) -> float:
+    """Relative difference of two runs' figures, against the larger."""
+    return abs(x - y) / max(abs(x), abs(y), 1e-12)
+
+
+def agree(a: object, b: object, tol: float = AGREE_TOL) -> list[tuple[str, float, float, float, str]]:
     """(path, median A, median B, relative difference, note) of every ratio in both
     runs. Note "" for a compared figure; "mix" or "few" (see ``_medians``) for one
     to show but not to hold to the bound: where a script reports ratios per host
@@ -303,7 +312,7 @@ def agree(a: object, b: object, tol: float = 0.10) -> list[tuple[str, float, flo
     rows = []
     for path in sorted(set(ma) & set(mb)):
         (x, na), (y, nb) = ma[path], mb[path]
-        rows.append((path, x, y, abs(x - y) / max(abs(x), abs(y), 1e-12), na or nb))
+        rows.append((path, x, y, _apart(x, y), na or nb))
     return rows
 
 
@@ -329,8 +338,7 @@ def moved(a: object, b: object) -> list[tuple[str, float, float, float]]:
     baseline). Shown by ``agree``, never held to a bound: a host's speed may move
     between runs, a ratio formed in one run should not."""
     ma, mb = _absolutes(a), _absolutes(b)
-    return [(p, ma[p], mb[p], abs(ma[p] - mb[p]) / max(abs(ma[p]), abs(mb[p]), 1e-12))
-            for p in sorted(set(ma) & set(mb))]
+    return [(p, ma[p], mb[p], _apart(ma[p], mb[p])) for p in sorted(set(ma) & set(mb))]
 
 
 def _main(argv: list[str]) -> int:
@@ -345,10 +353,10 @@ def _main(argv: list[str]) -> int:
     held = [r for r in rows if not r[4]]
     worst = max((d for *_, d, _ in held), default=0.0)
     for path, x, y, d, note in rows:
-        tag = note.upper().ljust(3) if note else ("OK " if d <= 0.10 else "OFF")
+        tag = note.upper().ljust(3) if note else ("OK " if d <= AGREE_TOL else "OFF")
         print(f"{tag} {d * 100:5.1f}%  {x:8.3f} {y:8.3f}  {path}")
     info = len(rows) - len(held)
-    off = sum(d > 0.10 for *_, d, _ in held)
+    off = sum(d > AGREE_TOL for *_, d, _ in held)
     print(f"{len(held)} ratios, {off} differ by more than 10% (worst {worst * 100:.1f}%)"
           + (f"; {info} shown, not compared (MIX: rounds of both host levels; FEW: < {LEVEL_MIN_ROUNDS} rounds "
              "at that level)" if info else ""))
@@ -357,11 +365,11 @@ def _main(argv: list[str]) -> int:
         # held (or the reverse) is the host, not the code (docs/benchmarking.md).
         figs = moved(a, b)
         for path, x, y, d in figs:
-            if d > 0.10:
+            if d > AGREE_TOL:
                 print(f"MOVED {d * 100:5.1f}%  {x:8.3f} {y:8.3f}  {path}")
-        print(f"{len(figs)} absolute figures (rates, times), {sum(d > 0.10 for *_, d in figs)} moved by more "
+        print(f"{len(figs)} absolute figures (rates, times), {sum(d > AGREE_TOL for *_, d in figs)} moved by more "
               "than 10% (shown above as MOVED; the others held)")
-    return 0 if held and worst <= 0.10 else 1
+    return 0 if held and worst <= AGREE_TOL else 1
 
 
 if __name__ == "__main__":
