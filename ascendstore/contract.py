@@ -141,6 +141,33 @@ def watched_caller() -> Iterator[None]:
         _caller.watched = before
 
 
+def caller_may_block() -> bool:
+    """True on a thread of the engine that nothing waits on call by call: its save
+    thread (and a watched thread, :func:`caller_is_watched`).
+
+    A put there that runs past its deadline delays only the saves queued behind
+    it, which the engine drops (giving their blocks back) once they cannot start
+    in time; the memory the put was lent stays out of use until it returns, as
+    after any call that overran. So a backend whose client has no per-call
+    timeout may run the call on the calling thread and return when the client
+    does, saving the hand-off. Everywhere else (vLLM's forward thread, where GR
+    saves; the scheduler, which writes GR's records; tools) this is False and
+    ``timeout_s`` binds: blocking there would stall the engine.
+    """
+    return getattr(_caller, "may_block", False) or getattr(_caller, "watched", False)
+
+
+@contextmanager
+def blocking_caller() -> Iterator[None]:
+    """The engine's side of :func:`caller_may_block` (and tests that play it)."""
+    before = getattr(_caller, "may_block", False)
+    _caller.may_block = True
+    try:
+        yield
+    finally:
+        _caller.may_block = before
+
+
 @dataclass(frozen=True, slots=True)
 class RemovalEvent:
     """An object left a tier of the pool (``Backend.removed_since``).

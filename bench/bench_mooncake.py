@@ -5,7 +5,9 @@ batched zero-copy puts and gets of the same objects two ways, alternating rounds
 on the same connection: through ``MooncakeBackend`` (contract translation, bounded
 native threads, status mapping) and straight through the client's
 ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``. The ratio is
-the cost of our layer. Gets are made as the engine's load thread makes them
+the cost of our layer. Puts are made as the engine's save thread makes them
+(``blocking_caller()``: nothing waits on that thread, so the backend runs them
+on it), gets as the engine's load thread makes them
 (``watched_caller()``: the engine's watchdog bounds them, so the backend runs
 them on the calling thread); the "thread" column hands every native call to a
 worker thread, as gets from vLLM's forward thread (synchronous loads) are. Every put writes fresh keys (a duplicate put is a no-op in
@@ -42,7 +44,7 @@ from mooncake_master import ensure_private_netns, start_master
 from rich.console import Console
 from rich.table import Table
 
-from ascendstore.contract import BackendContext, Region, Status, watched_caller
+from ascendstore.contract import BackendContext, Region, Status, blocking_caller, watched_caller
 from ascendstore.registry import create_backend
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -88,9 +90,10 @@ def _measure(size: int, rounds: int, address: str, batch: int = BATCH, pin_cpu: 
 
     def put_ours() -> float:
         keys = fresh()
-        t0 = time.perf_counter()
-        st = backend.put(keys, regions, TIMEOUT_S)
-        dt = time.perf_counter() - t0
+        with blocking_caller():  # as the engine's save thread calls it
+            t0 = time.perf_counter()
+            st = backend.put(keys, regions, TIMEOUT_S)
+            dt = time.perf_counter() - t0
         assert st == [Status.OK] * batch, st
         raw.batch_remove(keys, True)
         return dt

@@ -628,6 +628,38 @@ class FinishesInBackground(MemStore):
         return super().put(keys, regions, timeout_s)
 
 
+class UndoesLatePuts(MemStore):
+    """Detaches a put that overran its deadline (``detaches_calls``: quiescent()
+    False until it ends) and, once it has ended, removes every key it answered
+    for, keys it found stored too. Mooncake's backend did so until 2026-12-05: its
+    master turns a duplicate put away and the client answers that like a stored one."""
+
+    CAPS = dataclasses.replace(MemStore.CAPS, detaches_calls=True)
+
+    def __init__(self, options):
+        super().__init__(options)
+        self.late_running = 0
+
+    def quiescent(self):
+        with self.lock:
+            return self.late_running == 0
+
+    def put(self, keys, regions, timeout_s):
+        if self.slow_s > timeout_s:
+            with self.lock:
+                self.late_running += 1
+
+            def late() -> None:
+                with self.lock:
+                    for k in keys:
+                        entry = self.objects.pop(k, None)
+                        self.used -= len(entry[0]) if entry else 0
+                    self.late_running -= 1
+
+            threading.Timer(self.slow_s, late).start()
+        return super().put(keys, regions, timeout_s)
+
+
 #: bug -> the suite's tests that must catch it
 class EvictingMemStore(MemStore):
     """The reference with LRU eviction and pins (evicts, pins): correct."""
@@ -686,6 +718,8 @@ PLANTED: dict[type[MemStore], set[str]] = {
     WritesBeforeSizeCheck: {"test_get_into_wrong_total_length_is_invalid"},
     # bounded_calls: done with the regions on return (no late write, no late read).
     FinishesInBackground: {"test_bounded_calls_are_done_with_their_regions_on_return"},
+    # A put given up at its deadline never removes what it found.
+    UndoesLatePuts: {"test_a_put_that_times_out_never_removes_what_was_stored"},
     # stats() conventions, and calls after close().
     ZeroCapacityWhenUnlimited: {"test_stats_follow_the_conventions"},
     ListsAfterClose: {"test_calls_after_close_are_unavailable"},
@@ -712,6 +746,7 @@ MESSAGES: dict[type[MemStore], tuple[str, ...]] = {
     TimedOutPutLeavesKeyStuck: ("get of the key of a timed-out put returned",),
     WritesBeforeSizeCheck: ("returned INVALID but wrote into the region",),
     FinishesInBackground: ("wrote into its regions afterwards",),
+    UndoesLatePuts: ("a late put must not remove what it found",),
     ZeroCapacityWhenUnlimited: ("leaves the key out",),
     ListsAfterClose: ("a closed client lists nothing",),
     StatsRaiseAfterClose: ("client is closed",),

@@ -10,7 +10,7 @@ import pytest
 import torch
 from engine_helpers import MemBackend
 
-from ascendstore.contract import Capabilities, Region, Status
+from ascendstore.contract import Capabilities, Region, Status, caller_may_block
 from ascendstore.engine import (
     BackendGuard,
     ChunkOp,
@@ -124,6 +124,41 @@ def test_a_store_that_dedups_its_puts_is_asked_no_exists_before_computed_chunks(
     eng.submit_save("w", ops[2:], layer=1, shared_exists=shared)
     assert eng.wait("save", ["w"], 5)
     assert [c[0] for c in be.calls] == ["exists", "put", "put"]
+    eng.shutdown()
+
+
+class DetachingBackend(MemBackend):
+    """A client without per-call timeouts behind a hand-off of its own (as
+    Mooncake's): records, per put, whether the calling thread may block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.may_block: list[tuple[str, bool]] = []
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(bounded_calls=True, detaches_calls=True)
+
+    def put(self, keys, regions, timeout_s):
+        self.may_block.append((threading.current_thread().name, caller_may_block()))
+        return super().put(keys, regions, timeout_s)
+
+
+def test_only_the_save_thread_is_a_caller_that_may_block():
+    """A backend may run a put past its deadline only where nothing waits on the
+    thread call by call: the engine's save thread. GR's saves on vLLM's forward
+    thread and its record writes in the scheduler call the guard directly."""
+    be = DetachingBackend()
+    guard = BackendGuard(be, 1.0)
+    eng = TransferEngine(guard)
+    src = torch.arange(64, dtype=torch.uint8)
+    eng.submit_save("r", ops_for(src, 4, 16), computed=True)
+    assert eng.wait("save", ["r"], 5)
+    guard.put(["gr/0"], [[Region(src.data_ptr(), 16)]])  # as GR puts, on the caller's thread
+    assert not caller_may_block()
+    (saver, on_save_thread), (caller, on_caller) = be.may_block
+    assert saver != threading.current_thread().name and caller == threading.current_thread().name
+    assert on_save_thread and not on_caller, be.may_block
     eng.shutdown()
 
 

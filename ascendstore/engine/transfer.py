@@ -39,7 +39,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ascendstore.contract import Region, Status
+from ascendstore.contract import Region, Status, blocking_caller
 from ascendstore.engine.guard import GRACE_S, BackendGuard, PendingCall, Release
 from ascendstore.engine.plan import ChunkOp, stagger
 from ascendstore.engine.watch import CallWatch, WatchedCall
@@ -877,6 +877,16 @@ class TransferEngine:
 
     # -- the threads ------------------------------------------------------------------
     def _run(self, kind: str) -> None:
+        if kind == "save":
+            # Nothing waits on this thread call by call (a late put holds its blocks
+            # anyway; saves queued behind it that cannot start in time are dropped):
+            # a backend may run puts here past their deadline and skip a hand-off.
+            with blocking_caller():
+                self._serve(kind)
+        else:
+            self._serve(kind)
+
+    def _serve(self, kind: str) -> None:
         q = self._queues[kind]
         self._role.load_thread = kind == "load"
         while not self._stop.is_set():

@@ -14,7 +14,7 @@ import pytest
 from conftest import backend_config
 from mooncake_helpers import payload, region
 
-from ascendstore.contract import BackendContext, BackendSetupError, Status, watched_caller
+from ascendstore.contract import BackendContext, BackendSetupError, Status, blocking_caller, watched_caller
 from ascendstore.engine import BackendGuard, ChunkOp, TransferEngine
 from ascendstore.loopback import free_port
 from ascendstore.registry import create_backend
@@ -132,6 +132,11 @@ def test_master_sigkill_then_restart(master_factory, open_backend) -> None:
     assert b.stats()["timeouts"] >= 0
 
 
+def _save_put(b, keys, regions, timeout_s):
+    with blocking_caller():  # as the engine's save thread puts
+        return b.put(keys, regions, timeout_s)
+
+
 def test_a_stopped_master_stalls_an_inline_put_once_never_a_get(master_factory, open_backend, monkeypatch) -> None:
     # A master that is alive but does not answer (SIGSTOP: a hung host, a partition)
     # blocks the client's calls until its RPC timeout (30 s by default; 2 s here).
@@ -141,7 +146,7 @@ def test_a_stopped_master_stalls_an_inline_put_once_never_a_get(master_factory, 
     b._guard.inline_cooldown_s = 3.0  # 30 s by default
     data = payload(500, 64 << 10)
     dst = np.zeros_like(data)
-    assert b.put(["stop/a"], [[region(data)]], 1.0) == [Status.OK]
+    assert _save_put(b, ["stop/a"], [[region(data)]], 1.0) == [Status.OK]
     assert b.stats()["inline_calls"] == 1  # healthy: the put ran on this thread
     t = 0.3
     _stop(m.proc)
@@ -152,25 +157,82 @@ def test_a_stopped_master_stalls_an_inline_put_once_never_a_get(master_factory, 
         while b.stats()["inflight_calls"]:  # the stalled get ends on the client's own timeout
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        st, took = _timed(lambda: b.put(["stop/b"], [[region(data)]], t))
+        st, took = _timed(lambda: _save_put(b, ["stop/b"], [[region(data)]], t))
         # The inline put returned when the client did: its own answer, late.
         assert st[0] in (Status.TIMEOUT, Status.UNAVAILABLE) and 1.5 < took < 2.0 + SLACK, (st, took)
         assert b.stats()["inline_overruns"] == 1
-        st, took = _timed(lambda: b.put(["stop/c"], [[region(data)]], t))
+        st, took = _timed(lambda: _save_put(b, ["stop/c"], [[region(data)]], t))
         # Cooling down: a worker and its deadline (or UNAVAILABLE at once: by now the
         # client may itself report the master down).
         assert st[0] in (Status.TIMEOUT, Status.UNAVAILABLE) and took < t + SLACK, (st, took)
     finally:
         m.proc.send_signal(signal.SIGCONT)
     deadline = time.monotonic() + 15
-    while (st := b.put(["stop/d"], [[region(data)]], 1.0)) != [Status.OK]:
+    while (st := _save_put(b, ["stop/d"], [[region(data)]], 1.0)) != [Status.OK]:
         assert time.monotonic() < deadline, st
         time.sleep(0.2)
     time.sleep(3.0)  # the cool-down ends
     calls = b.stats()["inline_calls"]
-    assert b.put(["stop/e"], [[region(data)]], 1.0) == [Status.OK]
+    assert _save_put(b, ["stop/e"], [[region(data)]], 1.0) == [Status.OK]
     assert b.stats()["inline_calls"] == calls + 1  # inline again
     assert b.get(["stop/e"], [[region(dst)]], 1.0) == [Status.OK] and np.array_equal(dst, data)
+
+
+def test_a_put_off_the_save_thread_keeps_its_deadline(master_factory, open_backend, monkeypatch) -> None:
+    """GR saves on vLLM's forward thread and writes its token records from the
+    scheduler: with the master stalled, a put there returns at its deadline, not
+    when the client gives up (30 s by default; 2 s here)."""
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "2000")
+    m = master_factory()
+    b = open_backend(m, exists_cache_ttl_s=0)
+    data = payload(501, 64 << 10)
+    assert b.put(["off/a"], [[region(data)]], 1.0) == [Status.OK]
+    assert b.stats()["inline_calls"] == 0  # healthy, but not the save thread: handed off
+    t = 0.3
+    _stop(m.proc)
+    try:
+        st, took = _timed(lambda: b.put(["off/b"], [[region(data)]], t))
+        assert st == [Status.TIMEOUT] and took < t + SLACK, (st, took)
+        assert b.stats()["inline_overruns"] == 0
+    finally:
+        m.proc.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while not b.quiescent():  # the late put ends on the client's own timeout
+        assert time.monotonic() < deadline, b.stats()
+        time.sleep(0.05)
+
+
+def test_a_late_put_removes_nothing_another_engine_stored(open_backend) -> None:
+    """A put its caller stopped waiting for still completes. The master turns away
+    the put of a key it holds and the client answers that with success, so a late
+    put's answers cannot tell "stored" from "another engine had it first": removing
+    what they call stored would remove the other engine's object. Nothing is
+    removed; the caller keeps the memory until the call has ended (``quiescent()``,
+    the contract), so what the late put did store holds the caller's bytes."""
+    ours = open_backend(inline_puts=False)  # on a worker: given up at its deadline
+    theirs = open_backend(exists_cache_ttl_s=0)
+    size = 64 << 10
+    shared, fresh = "late/shared", "late/fresh"
+    their_bytes, our_bytes = payload(71, size), payload(72, 2 * size)
+    assert theirs.put([shared], [[region(their_bytes)]], 2.0) == [Status.OK]
+    ours.test_hooks().delay(0.5)
+    try:
+        st = ours.put([shared, fresh], [[region(our_bytes, 0, size)], [region(our_bytes, size, size)]], 0.1)
+        assert st == [Status.TIMEOUT] * 2
+        deadline = time.monotonic() + 10
+        while ours.stats()["late_completions"] < 1 or not ours.quiescent():
+            assert time.monotonic() < deadline, ours.stats()
+            time.sleep(0.02)
+    finally:
+        ours.test_hooks().delay(0)
+    time.sleep(0.3)  # room for any clean-up the late answer set off
+    assert ours.quiescent()
+    dst = np.zeros(2 * size, np.uint8)
+    got = theirs.get([shared, fresh], [[region(dst, 0, size)], [region(dst, size, size)]], 2.0)
+    assert got[0] is Status.OK, f"the object another engine stored was removed after our late put: {got[0]!r}"
+    assert np.array_equal(dst[:size], their_bytes), "the late put overwrote another engine's object"
+    assert got[1] is Status.OK and np.array_equal(dst[size:], our_bytes[size:]), (
+        f"the late put's own object should be in the pool, whole: {got[1]!r}")
 
 
 def _stalling_load_setup(master_factory, open_backend, monkeypatch, seed: int, prefix: str, **engine_kw):

@@ -33,6 +33,7 @@ from ascendstore.contract import (
     Region,
     Status,
     caller_is_watched,
+    caller_may_block,
 )
 from ascendstore_mooncake.errors import OBJECT_NOT_FOUND, TRANSFER_FAIL, status_of
 from ascendstore_mooncake.guard import NativeGuard, Outcome
@@ -144,7 +145,7 @@ class MooncakeBackend(Backend):
         self._close_lock = threading.Lock()
         self._exists_cache: dict[str, float] = {}
         self._cache_lock = threading.Lock()
-        self._counters = {"late_put_cleanups": 0, "exists_cache_hits": 0}
+        self._counters = {"exists_cache_hits": 0}
         self._delay_s = 0.0
 
         _probe_master(opts.master_server_address or "", min(opts.setup_timeout_s, 5.0))
@@ -233,9 +234,7 @@ class MooncakeBackend(Backend):
     def _key_ok(self, key: str) -> bool:
         return bool(key) and key.isascii() and len(key) <= self._caps.max_key_bytes
 
-    def _guarded(
-        self, fn: Any, timeout_s: float, on_late: Any = None, *, inline: bool = False
-    ) -> tuple[Status | None, Any]:
+    def _guarded(self, fn: Any, timeout_s: float, *, inline: bool = False) -> tuple[Status | None, Any]:
         """Run fn(store) bounded; (None, result) on success else (status for every key, None).
 
         Each call first reads the client's cached master state (microseconds) so
@@ -250,7 +249,7 @@ class MooncakeBackend(Backend):
                 return _MASTER_DOWN
             return fn(store)
 
-        outcome, result = self._guard.call(task, timeout_s, on_late, inline=inline)
+        outcome, result = self._guard.call(task, timeout_s, inline=inline)
         if outcome is Outcome.CLOSED:
             return Status.UNAVAILABLE, None
         if outcome is Outcome.TIMEOUT:
@@ -412,22 +411,17 @@ class MooncakeBackend(Backend):
         if not send:
             return _filled(out, Status.INVALID)
         cfg = self._replicate
-
-        def late(codes: Any) -> None:
-            # The caller was told TIMEOUT and may have reused its memory while Mooncake
-            # was still copying from it: an object written now could hold mixed bytes.
-            if codes is _MASTER_DOWN:
-                return
-            done = [k for k, c in zip(names, codes, strict=False) if c == 0]
-            if done:
-                self._counters["late_put_cleanups"] += len(done)
-                self._guard.run_detached(lambda: self._store.batch_remove(done, True))
-
-        # Puts come from the engine's save thread, which nothing waits on: run there
-        # while the store is healthy (guard.py; options.inline_puts).
+        # On the engine's save thread, which nothing waits on, run there while the
+        # store is healthy (guard.py; options.inline_puts); anywhere else (GR's saves
+        # on vLLM's forward thread, its records in the scheduler) keep the deadline.
+        # A put given up at its deadline may still complete. What it stores is left
+        # alone: its caller keeps the source memory until quiescent() (the contract),
+        # so the bytes are whole; and its answers cannot tell a stored key from one
+        # the master turned away because another engine holds it (both are 0), so
+        # removing "ours" could remove theirs.
         status, codes = self._guarded(
-            lambda st: st.batch_put_from_multi_buffers(names, ptrs, sizes, cfg), timeout_s, late,
-            inline=self.options.inline_puts,
+            lambda st: st.batch_put_from_multi_buffers(names, ptrs, sizes, cfg), timeout_s,
+            inline=self.options.inline_puts and caller_may_block(),
         )
         if status is None and len(send) == len(out) and type(codes) is list and codes.count(0) == len(out) == len(codes):
             return [Status.OK] * len(out)  # the usual answer, without a pass per key

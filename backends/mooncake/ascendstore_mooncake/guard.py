@@ -5,7 +5,8 @@ The Mooncake client has no per-call timeout: with the master gone a call blocks
 writing to a stopped peer's segment 60 s; a set-up takes 4.4 s per retry and a
 close ~5 s (docs/benchmarking.md has the measurements). Calls therefore run on a few
 threads and the caller waits at most its deadline. A call the caller gave up on
-may still finish later; ``on_late`` lets the backend undo what such a call did.
+may still finish later (``quiescent()`` in the backend says when none is left);
+its answer is dropped and counted (``late_completions``).
 After ``close`` no native call starts again (Mooncake crashes when used after
 close or after a failed set-up).
 
@@ -13,9 +14,9 @@ Handing a call to a thread costs the caller a sleep and a wake-up (~40 us of
 wall time per 32 x 64 KiB batch on a 2-core VM, a fifth of the call). A
 caller that may block for as long as the client does can ask for ``inline``:
 the call then runs on its own thread and this guard never abandons it. The
-backend asks for it for puts (only the engine's save thread makes them) and
-for gets on a thread the engine watches (its load thread: the engine's
-watchdog gives up on an overrun get itself). Inline calls stop for
+backend asks for it for puts of the engine's save thread, which nothing waits
+on (``caller_may_block()``), and for gets on a thread the engine watches (its
+load thread: the engine's watchdog gives up on an overrun get itself). Inline calls stop for
 ``inline_cooldown_s`` after one that overran its deadline anyway, while any
 call is still on a worker, and while another inline call is past its deadline
 (a slow or stuck native call: the store is not healthy); those go to the
@@ -55,19 +56,16 @@ class _Call:
     (a raw lock it holds until the worker releases it): a hand-off through C-level
     primitives only (SimpleQueue, lock), ~half the cost of an executor's Future."""
 
-    __slots__ = ("fn", "deadline", "done", "result", "error", "abandoned", "on_late")
+    __slots__ = ("fn", "deadline", "done", "result", "error", "abandoned")
 
-    def __init__(self, fn: Callable[[], Any], deadline: float | None, on_late: Callable[[Any], None] | None,
-                 waited: bool) -> None:
+    def __init__(self, fn: Callable[[], Any], deadline: float) -> None:
         self.fn = fn
         self.deadline = deadline
-        self.on_late = on_late
         self.result: Any = _SKIPPED
         self.error: BaseException | None = None
-        self.abandoned = not waited  # nobody waits: a detached call
+        self.abandoned = False  # the caller stopped waiting at the deadline
         self.done = _thread.allocate_lock()
-        if waited:
-            self.done.acquire()
+        self.done.acquire()
 
 
 class NativeGuard:
@@ -107,9 +105,9 @@ class NativeGuard:
     def inflight(self) -> int:
         return self._inflight
 
-    def _enter(self, deadline: float | None) -> bool:
+    def _enter(self, deadline: float) -> bool:
         with self._lock:
-            if self._closed or (deadline is not None and time.monotonic() > deadline):
+            if self._closed or time.monotonic() > deadline:
                 return False
             self._inflight += 1
             return True
@@ -140,20 +138,22 @@ class NativeGuard:
             if c is _STOP:
                 return
             assert isinstance(c, _Call)
-            if self._enter(c.deadline):
+            ran = self._enter(c.deadline)
+            if ran:
                 try:
                     c.result = c.fn()
-                except BaseException as exc:  # handed to the caller (raised there) or logged
+                except BaseException as exc:  # handed to the caller (raised there) or dropped
                     c.error = exc
-                finally:
-                    self._leave()
+            # One lock round: the call is counted before quiescent() can say it ended.
             with self._lock:
+                if ran:
+                    self._inflight -= 1
+                    self._idle.notify_all()
                 self._idle_workers += 1
-                late = c.abandoned
-                if not late:
+                if not c.abandoned:
                     c.done.release()
-            if late:
-                self._late(c)
+                elif ran and c.error is None:
+                    self.late_completions += 1  # ran to its end after the caller gave up
 
     def _inline_ok(self, now: float) -> bool:
         if not self.allow_inline or now < self._inline_off_until:
@@ -195,26 +195,19 @@ class NativeGuard:
                         self.inline_cooldown_s)
         return Outcome.DONE, result
 
-    def call(
-        self,
-        fn: Callable[[], T],
-        timeout_s: float,
-        on_late: Callable[[T], None] | None = None,
-        *,
-        inline: bool = False,
-    ) -> tuple[Outcome, T | None]:
+    def call(self, fn: Callable[[], T], timeout_s: float, *, inline: bool = False) -> tuple[Outcome, T | None]:
         """Run ``fn`` on a native thread and wait at most ``timeout_s``; with
         ``inline``, on the caller's thread while the store looks healthy (the
         module doc), returning whenever the call does.
 
         A call still queued at its deadline never starts. One already running
-        completes in the background; its result then goes to ``on_late``.
+        completes in the background; its result is dropped.
         """
         now = time.monotonic()
         if inline and self._inline_ok(now):
             return self._call_inline(fn, timeout_s, now)
         deadline = now + max(0.0, timeout_s)
-        c = _Call(fn, deadline, on_late, waited=True)
+        c = _Call(fn, deadline)
         if not self._submit(c):
             return Outcome.CLOSED, None
         if not self._wait(c, deadline - time.monotonic()):
@@ -236,7 +229,7 @@ class NativeGuard:
             if self._closed:
                 return Outcome.CLOSED, None
             self._inflight += 1
-        c = _Call(fn, time.monotonic() + max(0.0, timeout_s), None, waited=True)
+        c = _Call(fn, time.monotonic() + max(0.0, timeout_s))
 
         def run() -> None:
             try:
@@ -256,7 +249,7 @@ class NativeGuard:
 
     def _wait(self, c: _Call, timeout_s: float) -> bool:
         """Wait at most ``timeout_s`` for a handed-off call; False (the call abandoned:
-        its result goes to ``on_late``) at the deadline. Raises the call's error."""
+        its result dropped) at the deadline. Raises the call's error."""
         if not c.done.acquire(timeout=max(0.0, timeout_s)):
             with self._lock:
                 # The thread may have finished between the timeout and here.
@@ -269,25 +262,6 @@ class NativeGuard:
         if c.error is not None:
             raise c.error
         return True
-
-    def _late(self, c: _Call) -> None:
-        if c.error is not None:
-            if c.on_late is None and c.deadline is None:  # a detached call
-                log.error("mooncake: detached call failed", exc_info=c.error)
-            return
-        if c.result is _SKIPPED or c.deadline is None:
-            return
-        self.late_completions += 1
-        if c.on_late is None:
-            return
-        try:
-            c.on_late(c.result)
-        except Exception:
-            log.exception("mooncake: clean-up after a late call failed")
-
-    def run_detached(self, fn: Callable[[], Any]) -> None:
-        """Fire-and-forget native call (clean-ups); skipped once closed."""
-        self._submit(_Call(fn, None, None, waited=False))
 
     def close(self, drain_timeout_s: float) -> bool:
         """Stop new calls; wait for running ones. True if none is left running."""

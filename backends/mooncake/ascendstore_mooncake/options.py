@@ -124,9 +124,10 @@ class MooncakeOptions(BackendOptions):
     max_inflight_calls: int = Field(4, ge=1, le=64, description="threads running native calls")
     inline_puts: Bool = Field(
         True,
-        description="run puts on the calling thread (the engine's save thread) while the store is healthy, "
-        "saving a thread hand-off per call; a put then returns when Mooncake does (up to 60 s in a "
-        "stall) instead of at its deadline; exists and removes always keep the deadline",
+        description="run puts of the engine's save thread on that thread while the store is healthy, "
+        "saving a thread hand-off per call; such a put then returns when Mooncake does (up to 60 s in a "
+        "stall) instead of at its deadline; puts from anywhere else (GR's saves on vLLM's forward thread, "
+        "its records in the scheduler), exists and removes always keep the deadline",
     )
     inline_gets: Bool = Field(
         True,

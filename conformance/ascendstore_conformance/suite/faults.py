@@ -121,6 +121,38 @@ class FaultTests:
             f"{'the bytes written after it returned' if stored == second else 'other bytes'})"
         )
 
+    def test_a_put_that_times_out_never_removes_what_was_stored(self, harness: Harness) -> None:
+        """A put given up at its deadline may still complete. Whatever it then does,
+        an object stored before it stays, whole: replaced by the put's bytes where a
+        second put replaces (``overwrite_on_put``), else as it was. A store that turns
+        duplicate puts away answers them like stored ones, so a backend that undid
+        what a late put answered for would remove objects other engines had stored."""
+        h = harness
+        delay = require_hook(h, "delay")
+        key = h.key("kept-through-late-put")
+        first, second = pattern("kept-first", 4096), pattern("kept-second", 4096)
+        h.put_ok({key: first})
+        src = h.source(second)
+        delay(LATE_S)
+        try:
+            put = h.statuses("put", [key], [[src.region]], timeout_s=SHORT_TIMEOUT_S)
+        finally:
+            delay(0)
+        assert put == [TIMEOUT], f"a put against a slow store returned {put!r}"
+        # The caller keeps its memory until the backend is quiescent (the contract).
+        deadline = time.monotonic() + LATE_S + 2.0
+        while not h.backend.quiescent() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert h.backend.quiescent(), "quiescent() never turned True after the slow call must have ended"
+        time.sleep(0.3)  # room for anything the late answer set off
+        status, stored = h.get_bytes(key, 4096)
+        kept = "the put's bytes or the first" if h.caps.overwrite_on_put else "the first value"
+        assert status is OK, (
+            f"an object stored before a put that timed out read {status!r} once the put had ended "
+            f"(expected {kept}): a late put must not remove what it found")
+        assert stored == first or (h.caps.overwrite_on_put and stored == second), (
+            f"an object stored before a put that timed out holds other bytes than {kept} after it")
+
     def test_tiny_timeout_returns_promptly(self, harness: Harness) -> None:
         h = harness
         key = h.key("tiny")
