@@ -162,6 +162,31 @@ def test_only_the_save_thread_is_a_caller_that_may_block():
     eng.shutdown()
 
 
+def test_caller_marks_belong_to_one_thread_nest_and_restore():
+    from ascendstore.contract import blocking_caller, caller_is_watched, watched_caller
+
+    seen: list[tuple[bool, bool]] = []
+
+    def look() -> None:
+        seen.append((caller_may_block(), caller_is_watched()))
+
+    with blocking_caller():
+        t = threading.Thread(target=look)
+        t.start()
+        t.join()  # another thread: not marked
+        look()
+        with blocking_caller():
+            look()
+        look()  # the inner block left the outer mark on
+        with watched_caller():
+            look()
+    look()
+    with watched_caller():
+        look()  # watched: it may block too
+    assert seen == [(False, False), (True, False), (True, False), (True, False), (True, True), (False, False),
+                    (True, True)]
+
+
 def test_inflight_bytes_limit_splits_batches():
     buf = torch.zeros(64, dtype=torch.uint8)
     assert [len(b) for b in batches(ops_for(buf, 4, 16), 40)] == [2, 2]
