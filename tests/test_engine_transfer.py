@@ -428,6 +428,59 @@ def test_layerwise_chunk_with_a_failed_layer_is_removed_whole():
     eng.shutdown()
 
 
+class DedupFailingBackend(DedupBackend):
+    """Turns duplicate puts away (answering OK) and fails the keys in ``fail_puts``;
+    ``racing`` lands right after an exists (another engine's save of the same chunk)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.racing: dict[str, bytes] = {}
+
+    def exists(self, keys, timeout_s):
+        out = super().exists(keys, timeout_s)
+        self.data.update(self.racing)
+        return out
+
+    def remove(self, keys, timeout_s):
+        self._enter("remove", keys)
+        return super().remove(keys, timeout_s)
+
+    def put(self, keys, regions, timeout_s):
+        out = super().put(keys, regions, timeout_s)
+        for i, k in enumerate(keys):
+            if k in self.fail_puts:
+                self.data.pop(k, None)
+                out[i] = Status.UNAVAILABLE
+        return out
+
+
+def test_a_partial_chunk_is_left_where_puts_are_turned_away():
+    """With a store that dedups puts, "stored" may mean "another engine had it":
+    the layer answered OK may belong to that engine's whole chunk, which a reader
+    may be loading. The partial chunk is left to eviction, counted."""
+    from ascendstore.engine import SharedExists
+
+    be = DedupFailingBackend()
+    eng = TransferEngine(BackendGuard(be, 1.0))
+    src = torch.arange(64, dtype=torch.uint8)
+    layer_ops = [
+        [ChunkOp(f"L{layer}-c{i}", [Region(src.data_ptr() + i * 16, 16)], [i], i, layer) for i in range(2)]
+        for layer in range(2)
+    ]
+    be.fail_puts.add("L1-c1")
+    shared = SharedExists([op.key for ops in layer_ops for op in ops], num_layers=2)
+    be.racing["L0-c1"] = b"theirs".ljust(16)  # another engine's, landing after our exists
+    for layer, ops in enumerate(layer_ops):
+        eng.submit_save("r", ops, layer=layer, shared_exists=shared)
+    assert eng.wait("save", ["r"], 5)
+    time.sleep(0.1)
+    assert [c for c in be.calls if c[0] == "remove"] == [], "a dedup store's turned-away keys were removed"
+    assert be.data["L0-c1"] == b"theirs".ljust(16)
+    assert eng.metrics.totals()["save_partial_left"] == 1
+    assert eng.metrics.totals().get("save_partial_removed", 0) == 0
+    eng.shutdown()
+
+
 def test_layerwise_batches_capped_in_bytes_and_blocks():
     ops = [ChunkOp(f"k{i}", [Region(0, 100)], [i, i + 10], i) for i in range(5)]
     assert [len(b) for b in batches(ops, 250)] == [2, 2, 1]

@@ -38,6 +38,8 @@ COUNTERS: tuple[str, ...] = (
     "save_dropped_late",
     "save_held_late",
     "save_partial_removed",
+    # ... kept instead, where the store turns duplicate puts away (they may be another engine's)
+    "save_partial_left",
     "load_buffers_retired",
     # a direct async load whose get overran: its request held until the get ended
     "load_held_late",

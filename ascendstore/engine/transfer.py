@@ -1201,7 +1201,13 @@ class TransferEngine:
                 assert task.shared_exists is not None and landed is not None and stored is not None
                 drop = task.shared_exists.settle(task.req_id, ops, [landed.get(id(op), False) for op in ops],
                                                  [id(op) in stored for op in ops])
-                if drop:
+                if drop and self.dedups_puts:
+                    # A put such a store turned away answered OK like one that stored:
+                    # some of these may be another engine's whole chunk, which a reader
+                    # may be reading (Mooncake's forced removal would tear that read).
+                    # Left to eviction: a lookup never counts a chunk missing a layer.
+                    self.metrics.add(save_partial_left=len(drop))
+                elif drop:
                     self.metrics.add(save_partial_removed=len(drop))
                     self.guard.submit_remove(drop)
 
