@@ -40,7 +40,9 @@ What is injected where, and why it is faithful:
     ``bounded_calls`` and ``detaches_calls``, so the engine calls it on its own
     threads and lands loads in buffers of its own. A call from a watched caller
     (``caller_is_watched()``: the engine's load thread) runs, hangs and scribbles
-    right there, and only the engine's watchdog can give up on it; any other call
+    right there, and only the engine's watchdog can give up on it; so does a put
+    from a thread that may block (``caller_may_block()``: the engine's save
+    thread), as Mooncake's ``inline_puts`` does; any other call
     runs on a thread of the wrapper and is answered TIMEOUT at ``timeout_s``
     while it goes on (``quiescent()`` False until it ends). Fixed at start-up.
   * ``registered_only`` declares ``needs_registration`` and refuses (INVALID,
@@ -92,6 +94,7 @@ from ascendstore.contract import (
     Region,
     Status,
     caller_is_watched,
+    caller_may_block,
 )
 from ascendstore.errors import ConfigError, format_validation_error
 
@@ -297,7 +300,9 @@ class FaultyBackend(Backend):
         self, op: str, keys: Sequence[str], regions: Sequence[Sequence[Region]] | None, timeout_s: float,
         call: Callable[[list[str], float], list[Status]] | None = None,
     ) -> list[Status]:
-        if self.options.detaches and not caller_is_watched():
+        # As the Mooncake backend: a watched caller's calls, and puts of a thread that
+        # may block (the engine's save thread), run right there; the rest hand off.
+        if self.options.detaches and not (caller_is_watched() or (op == "put" and caller_may_block())):
             return self._handed_off(lambda: self._keyed_now(op, keys, regions, timeout_s, call), len(keys), timeout_s)
         return self._keyed_now(op, keys, regions, timeout_s, call)
 

@@ -95,6 +95,31 @@ def test_hang_ignores_the_timeout_and_the_guard_cuts_it_off(make):
         guard.close()  # the late call then finds the client closed: UNAVAILABLE, no crash
 
 
+def test_detaches_runs_a_save_threads_put_in_place_and_hands_the_rest_off(make):
+    """``detaches`` plays the Mooncake client: a put of a thread that may block (the
+    engine's save thread) hangs right there and answers late; the same put from
+    any other thread (GR's, on vLLM's forward thread) is answered TIMEOUT at its
+    deadline while it goes on (quiescent() False until it ends)."""
+    from ascendstore.contract import blocking_caller
+
+    be = make(detaches=True, hang_s={"put": 0.8})
+    data = payload(3, 4096)
+    with blocking_caller():
+        t0 = time.monotonic()
+        st = be.put(["p0"], [[region(data)]], 0.1)
+        took = time.monotonic() - t0
+    assert took >= 0.8 and st == [OK], (st, took)  # in place: late, with its own answer
+    assert be.quiescent()
+    t0 = time.monotonic()
+    assert be.put(["p1"], [[region(data)]], 0.1) == [TIMEOUT]
+    assert time.monotonic() - t0 < 0.1 + SLACK
+    assert not be.quiescent() and be.injected["detached"] == 1
+    deadline = time.monotonic() + 5
+    while not be.quiescent():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
 def test_a_hung_get_that_scribbles_never_answers_ok(make):
     """late_garbage does the wrong thing (0xA5 over the regions once awake) but
     never claims it loaded: a hang that ends within the guard's grace reaches a
