@@ -13,7 +13,7 @@ import enum
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -139,14 +139,18 @@ def caller_is_watched() -> bool:
 
 
 @contextmanager
-def watched_caller() -> Iterator[None]:
-    """The engine's side of :func:`caller_is_watched` (and tests that play it)."""
-    before = _caller.watched
-    _caller.watched = True
+def _marked(mark: str) -> Iterator[None]:
+    before = getattr(_caller, mark)
+    setattr(_caller, mark, True)
     try:
         yield
     finally:
-        _caller.watched = before
+        setattr(_caller, mark, before)
+
+
+def watched_caller() -> AbstractContextManager[None]:
+    """The engine's side of :func:`caller_is_watched` (and tests that play it)."""
+    return _marked("watched")
 
 
 def caller_may_block() -> bool:
@@ -166,15 +170,9 @@ def caller_may_block() -> bool:
     return caller.may_block or caller.watched
 
 
-@contextmanager
-def blocking_caller() -> Iterator[None]:
+def blocking_caller() -> AbstractContextManager[None]:
     """The engine's side of :func:`caller_may_block` (and tests that play it)."""
-    before = _caller.may_block
-    _caller.may_block = True
-    try:
-        yield
-    finally:
-        _caller.may_block = before
+    return _marked("may_block")
 
 
 @dataclass(frozen=True, slots=True)

@@ -402,6 +402,14 @@ def test_layer_saves_share_one_exists_per_step():
     eng.shutdown()
 
 
+def _two_chunks_by_layer(src: torch.Tensor) -> list[list[ChunkOp]]:
+    """Layerwise ops of two 16-byte chunks of ``src``, two layers each: [layer][chunk]."""
+    return [
+        [ChunkOp(f"L{layer}-c{i}", [Region(src.data_ptr() + i * 16, 16)], [i], i, layer) for i in range(2)]
+        for layer in range(2)
+    ]
+
+
 def test_layerwise_chunk_with_a_failed_layer_is_removed_whole():
     """A chunk whose layer 1 failed to save is never a hit (lookups need every
     layer): the layers this step did store are removed, not left as dead weight."""
@@ -410,10 +418,7 @@ def test_layerwise_chunk_with_a_failed_layer_is_removed_whole():
     be = MemBackend()
     eng = TransferEngine(BackendGuard(be, 1.0))
     src = torch.arange(64, dtype=torch.uint8)
-    layer_ops = [
-        [ChunkOp(f"L{layer}-c{i}", [Region(src.data_ptr() + i * 16, 16)], [i], i, layer) for i in range(2)]
-        for layer in range(2)
-    ]
+    layer_ops = _two_chunks_by_layer(src)
     be.fail_puts.add("L1-c1")  # chunk 1 loses its second layer
     shared = SharedExists([op.key for ops in layer_ops for op in ops], num_layers=2)
     for layer, ops in enumerate(layer_ops):
@@ -446,12 +451,9 @@ class DedupFailingBackend(DedupBackend):
         return super().remove(keys, timeout_s)
 
     def put(self, keys, regions, timeout_s):
-        out = super().put(keys, regions, timeout_s)
-        for i, k in enumerate(keys):
-            if k in self.fail_puts:
-                self.data.pop(k, None)
-                out[i] = Status.UNAVAILABLE
-        return out
+        ok = [i for i, k in enumerate(keys) if k not in self.fail_puts]
+        super().put([keys[i] for i in ok], [regions[i] for i in ok], timeout_s)
+        return [Status.OK if k not in self.fail_puts else Status.UNAVAILABLE for k in keys]
 
 
 def test_a_partial_chunk_is_left_where_puts_are_turned_away():
@@ -463,10 +465,7 @@ def test_a_partial_chunk_is_left_where_puts_are_turned_away():
     be = DedupFailingBackend()
     eng = TransferEngine(BackendGuard(be, 1.0))
     src = torch.arange(64, dtype=torch.uint8)
-    layer_ops = [
-        [ChunkOp(f"L{layer}-c{i}", [Region(src.data_ptr() + i * 16, 16)], [i], i, layer) for i in range(2)]
-        for layer in range(2)
-    ]
+    layer_ops = _two_chunks_by_layer(src)
     be.fail_puts.add("L1-c1")
     shared = SharedExists([op.key for ops in layer_ops for op in ops], num_layers=2)
     be.racing["L0-c1"] = b"theirs".ljust(16)  # another engine's, landing after our exists

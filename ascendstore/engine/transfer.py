@@ -877,13 +877,10 @@ class TransferEngine:
 
     # -- the threads ------------------------------------------------------------------
     def _run(self, kind: str) -> None:
-        if kind == "save":
-            # Nothing waits on this thread call by call (a late put holds its blocks
-            # anyway; saves queued behind it that cannot start in time are dropped):
-            # a backend may run puts here past their deadline and skip a hand-off.
-            with blocking_caller():
-                self._serve(kind)
-        else:
+        # Nothing waits on the save thread call by call (a late put holds its blocks
+        # anyway; saves queued behind it that cannot start in time are dropped): a
+        # backend may run puts there past their deadline and skip a hand-off.
+        with blocking_caller() if kind == "save" else nullcontext():
             self._serve(kind)
 
     def _serve(self, kind: str) -> None:
