@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import mmap
 import threading
 import time
 
@@ -340,6 +341,22 @@ def test_a_landing_buffer_that_cannot_be_allocated_fails_the_load_not_the_caller
     dst = torch.zeros(16, dtype=torch.uint8)
     assert eng.load_now("r", ops_for(dst, 1, 16)) == {0} and dst.sum() == 0
     eng.shutdown(timeout_s=1)
+
+
+def test_the_landing_buffer_starts_on_a_page_and_grows_on_one():
+    """Backends copy into it with ``memcpy``, slow between addresses that differ
+    mod 64 on some CPUs (a malloc'd buffer starts 16 bytes past a page)."""
+    from ascendstore.engine.transfer import HostBounce
+
+    registered: list[Region] = []
+    bounce = HostBounce(1 << 20, registered.append)
+    for nbytes in (4096, 3 << 20):  # within the capacity, then an object larger than it
+        dst = torch.zeros(nbytes, dtype=torch.uint8)
+        (region,), = bounce.stage_in([ChunkOp("k", [Region(dst.data_ptr(), nbytes)], [0], 0)])
+        assert region.addr % mmap.PAGESIZE == 0 and region.length == nbytes
+        assert registered[-1].addr == region.addr and registered[-1].length >= nbytes
+        assert bytes((ctypes.c_char * 64).from_address(region.addr)) == bytes(64)  # zeroed, as before
+    assert len(registered) == 2
 
 
 @pytest.mark.parametrize("stream", [False, True])
