@@ -68,7 +68,7 @@ from collections.abc import Callable
 
 import numpy as np
 import typer
-from harness import Stat, across_processes, env_info, env_line, interleave, rate, ratios, stat
+from harness import Stat, across_processes, env_info, env_line, interleave, placed, rate, ratios, stat
 from rich.console import Console
 from rich.table import Table
 
@@ -83,13 +83,6 @@ BATCH = 32
 #: tmpfs huge= modes (the kernel's)
 SHM_HUGE = ("always", "within_size", "advise", "never")
 app = typer.Typer(add_completion=False)
-
-
-def _at(nbytes: int, offset: int, fill: int) -> np.ndarray:
-    """``nbytes`` filled with ``fill``, starting ``offset`` bytes past a 4 KiB boundary."""
-    raw = np.full(nbytes + 2 * 4096, fill, dtype=np.uint8)
-    start = (4096 - raw.ctypes.data % 4096) % 4096 + offset
-    return raw[start:start + nbytes]
 
 
 def _open(**kw) -> LocalBackend:
@@ -133,17 +126,17 @@ def bench_dram(size: int, rounds: int, min_s: float, pool_bytes: int, page_size:
     try:
         n_keys = (pool_bytes * 3 // 4) // size // BATCH * BATCH
         batches = [[f"bench/{size}/{i + b}" for i in range(BATCH)] for b in range(0, n_keys, BATCH)]
-        user = _at(BATCH * size, user_offset, 0)
+        user = placed(BATCH * size, user_offset, 0)
         user[:] = np.random.default_rng(0).integers(0, 255, BATCH * size, dtype=np.uint8)
         ua = [user.ctypes.data + j * size for j in range(BATCH)]
         regions = [[Region(a, size)] for a in ua]
         # Gets (pool and baselines) land in a buffer of their own: the put source
         # keeps what the pool holds, for the byte-exact check at the end (it used to
         # pass only when a put of batch 0 ran after the last memcpy get).
-        sink = _at(BATCH * size, user_offset, 1)
+        sink = placed(BATCH * size, user_offset, 1)
         sa = [sink.ctypes.data + j * size for j in range(BATCH)]
         sregions = [[Region(a, size)] for a in sa]
-        anon = _at(n_keys * size, 0, 1)  # baseline's stand-in for the pool (its objects start on pages too)
+        anon = placed(n_keys * size, 0, 1)  # baseline's stand-in for the pool (its objects start on pages too)
         shm = _ShmMirror(n_keys * size)
         mirrors = {"anon": anon.ctypes.data, "shm": shm.addr}
         maddr = {

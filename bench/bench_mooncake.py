@@ -26,7 +26,12 @@ private network namespace (``unshare -n``, needs root) unless it is in one.
 to one CPU, the client's own threads left on the process's CPUs: the hand-off's two
 wake-ups then stay on one CPU instead of waking an idle one.
 
-    .venv/bin/python bench/bench_mooncake.py [--rounds 5] [--batch 32] [--pin-cpu N] [--json]
+The bench's buffers (put sources, get destinations) start on a page, as vLLM's KV
+tensors do (64-byte aligned); ``--user-offset N`` moves them N bytes past one. Until
+2026-12-05 they were numpy's, 16 bytes past a page, where glibc's ``memcpy`` into
+them runs slowly on AMD Zen 4: the raw get slower, our layer's share smaller.
+
+    .venv/bin/python bench/bench_mooncake.py [--rounds 5] [--batch 32] [--pin-cpu N] [--user-offset N] [--json]
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from collections.abc import Callable
 
 import numpy as np
 import typer
-from harness import Stat, env_info, env_line, interleave, ratios, stat
+from harness import Stat, env_info, env_line, interleave, placed, ratios, stat
 from mooncake_master import ensure_private_netns, start_master
 from rich.console import Console
 from rich.table import Table
@@ -55,7 +60,8 @@ TIMEOUT_S = 5.0
 app = typer.Typer(add_completion=False)
 
 
-def _measure(size: int, rounds: int, address: str, batch: int = BATCH, pin_cpu: int | None = None) -> dict:
+def _measure(size: int, rounds: int, address: str, batch: int = BATCH, pin_cpu: int | None = None,
+             user_offset: int = 0) -> dict:
     backend = create_backend(
         "mooncake",
         {"master_server_address": address, "local_hostname": "127.0.0.1", "global_segment_size": 4 * batch * size
@@ -64,8 +70,10 @@ def _measure(size: int, rounds: int, address: str, batch: int = BATCH, pin_cpu: 
     )
     raw = backend._store  # the same connected client, called directly
     cfg = backend._replicate
-    src = np.random.default_rng(size).integers(0, 256, batch * size, dtype=np.uint8)
-    dst = np.zeros_like(src)
+    # The caller's buffers where vLLM's KV would be (on a page; --user-offset moves them)
+    src = placed(batch * size, user_offset)
+    src[:] = np.random.default_rng(size).integers(0, 256, batch * size, dtype=np.uint8)
+    dst = placed(batch * size, user_offset)
     regions = [[Region(src.ctypes.data + i * size, size)] for i in range(batch)]
     dregions = [[Region(dst.ctypes.data + i * size, size)] for i in range(batch)]
     ptrs = [[r[0].addr] for r in regions]
@@ -151,7 +159,8 @@ def _measure(size: int, rounds: int, address: str, batch: int = BATCH, pin_cpu: 
             "ratio": {op: ratios(s[f"{op}_ours"], s[f"{op}_raw"]).as_dict() for op in ("put", "get")},
             "ratio_thread": {op: ratios(s[f"{op}_thread"], s[f"{op}_raw"]).as_dict() for op in ("put", "get")},
             "inline_puts": inline_allowed, "inline_calls": inline_calls,
-            "pin_cpu": pin_cpu, "worker_cpus": worker_masks}
+            "pin_cpu": pin_cpu, "worker_cpus": worker_masks, "user_offset": user_offset,
+            "buffer_page_offsets": [src.ctypes.data % 4096, dst.ctypes.data % 4096]}
 
 
 def _fmt(d: dict, digits: int = 2) -> str:
@@ -166,8 +175,12 @@ def main(
     pin_cpu: int | None = typer.Option(None, "--pin-cpu", min=0, help="pin the calling thread, and with it the "
                                        "guard's workers, to this CPU (the client's own threads keep the process's "
                                        "CPUs): shows what a hand-off's wake-ups cost when they cross CPUs"),
+    user_offset: int = typer.Option(0, "--user-offset", help="the caller's buffers start this many bytes past a "
+                                    "page (0: as vLLM's KV; 16: where numpy puts a large array)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
+    if not 0 <= user_offset < 4096:
+        raise typer.BadParameter(f"--user-offset must be in 0..4095, not {user_offset}", param_hint="--user-offset")
     if pin_cpu is not None and pin_cpu not in os.sched_getaffinity(0):
         raise typer.BadParameter(f"CPU {pin_cpu} is not among this process's CPUs "
                                  f"{sorted(os.sched_getaffinity(0))}", param_hint="--pin-cpu")
@@ -178,13 +191,13 @@ def main(
     try:
         # (2 MiB objects only up to 64 MiB per call, as the engine batches them)
         sizes = [64 * KiB] + ([2 * MiB] if batch * 2 * MiB <= 64 * MiB else [])
-        results = {size: _measure(size, rounds, address, batch, pin_cpu) for size in sizes}
+        results = {size: _measure(size, rounds, address, batch, pin_cpu, user_offset) for size in sizes}
     finally:
         master.kill()
         master.wait()
     if as_json:
         print(json.dumps({"sizes": {str(k): v for k, v in results.items()}, "rounds": rounds, "batch": batch,
-                          "pin_cpu": pin_cpu,
+                          "pin_cpu": pin_cpu, "user_offset": user_offset,
                           "env_before": env0, "env_after": env_info()}, indent=2))
         return
     table = Table(title=f"MooncakeBackend vs raw Mooncake client (batch {batch}, single process, deadline "

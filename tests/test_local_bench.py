@@ -63,10 +63,10 @@ def test_buffers_start_where_the_bench_says():
     """The caller's buffers at --user-offset past a page, the mirrors on one (as the
     pool's objects): glibc's memcpy speed depends on the two addresses mod 64."""
     sys.path.insert(0, str(ROOT / "bench"))
-    import bench_local
+    import harness
 
     for off in (0, 16, 64, 4095):
-        a = bench_local._at(5000, off, 7)
+        a = harness.placed(5000, off, 7)
         assert a.ctypes.data % 4096 == off and len(a) == 5000 and (a == 7).all()
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_local.py"), "--user-offset", "4096"],
                          capture_output=True, text=True, timeout=60)

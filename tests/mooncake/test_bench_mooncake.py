@@ -51,6 +51,17 @@ def test_bench_mooncake_pins_the_caller_and_the_workers_it_starts():
     assert unpinned and all(m == sorted(os.sched_getaffinity(0)) for m in unpinned), unpinned
 
 
+def test_bench_mooncake_places_its_buffers_as_vllms_kv_or_where_told():
+    # on a page by default (vLLM's KV is 64-byte aligned); numpy's own place was 16 past one
+    for args, want in (((), 0), (("--user-offset", "16"), 16)):
+        res = _run("--batch", "2", *args)
+        assert res["user_offset"] == want
+        assert all(r["buffer_page_offsets"] == [want, want] for r in res["sizes"].values())
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_mooncake.py"), "--user-offset", "4096"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--user-offset" in out.stderr and "4096" in out.stderr
+
+
 def test_bench_mooncake_refuses_a_cpu_it_may_not_run_on():
     bad = max(os.sched_getaffinity(0)) + 1
     out = subprocess.run(
