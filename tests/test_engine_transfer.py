@@ -344,8 +344,8 @@ def test_a_landing_buffer_that_cannot_be_allocated_fails_the_load_not_the_caller
 
 
 def test_the_landing_buffer_starts_on_a_page_and_grows_on_one():
-    """Backends copy into it with ``memcpy``, slow between addresses that differ
-    mod 64 on some CPUs (a malloc'd buffer starts 16 bytes past a page)."""
+    """Backends copy into it with ``memcpy``, slow on some CPUs into a destination
+    16 bytes past a page (where a malloc'd buffer this large starts)."""
     from ascendstore.engine.transfer import HostBounce
 
     registered: list[Region] = []

@@ -105,10 +105,10 @@ class Stager(Protocol):
 
 def page_aligned(nbytes: int) -> ctypes.Array:
     """``nbytes`` of zeroed memory starting on a page (an anonymous mapping, which the
-    array keeps alive). A malloc'd buffer this large starts 16 bytes past one, and
-    glibc's ``memcpy`` (``rep movsb``), which a backend's client copies with, runs
-    1.6-6x slower between addresses that differ mod 64 on AMD Zen 4: a Mooncake get
-    into the landing buffer took 5.1-5.5 ms for 32 MiB against 2.9-3.4 on a page
+    array keeps alive). A malloc'd buffer this large starts 16 bytes past one, and on
+    AMD Zen 4 glibc's ``memcpy`` (``rep movsb``), which a backend's client copies with,
+    runs 1.6-6x slower into such a destination than into one on 64 bytes: a Mooncake
+    get into the landing buffer took 5.1-5.5 ms for 32 MiB against 2.9-3.4 on a page
     (docs/benchmarking.md). vLLM's blocks and the pool's objects start on 64 bytes."""
     return (ctypes.c_char * nbytes).from_buffer(mmap.mmap(-1, nbytes))
 
