@@ -184,8 +184,11 @@ def test_caller_marks_belong_to_one_thread_nest_and_restore():
     look()
     with watched_caller():
         look()  # watched: it may block too
+    with pytest.raises(KeyError), blocking_caller():
+        raise KeyError("a failing call")
+    look()  # left by an exception: restored all the same
     assert seen == [(False, False), (True, False), (True, False), (True, False), (True, True), (False, False),
-                    (True, True)]
+                    (True, True), (False, False)]
 
 
 def test_inflight_bytes_limit_splits_batches():
