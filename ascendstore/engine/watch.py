@@ -33,7 +33,7 @@ class WatchedCall:
     Entering registers it with its watch and marks the thread watched
     (``caller_is_watched()``); leaving undoes both. A plain class rather than a
     generator: the exit runs on the cold caches a native call leaves, where a
-    generator's exit costs several microseconds more per call (docs/benchmarking.md)."""
+    generator's exit cost 5-8 us more per call (docs/benchmarking.md)."""
 
     __slots__ = ("deadline", "payload", "returned", "abandoned", "settled", "_watch", "_ident", "_mark")
 
@@ -59,7 +59,7 @@ class WatchedCall:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._mark.__exit__()
+        self._mark.__exit__(None, None, None)  # the mark ignores how the block ended
         with self._watch._lock:
             self.returned = True
         self._watch._calls.pop(self._ident, None)
