@@ -77,3 +77,31 @@ def test_doctor_reports_degraded_then_healthy_engine_processes(private_state_dir
             m.close()
     res = doctor(inst)
     assert "no running AscendStore process publishes its health" in res.output
+
+
+def test_a_clock_step_never_makes_a_running_engine_stale(private_state_dir):
+    """psutil's start time adds /proc/stat's boot time, whole seconds that NTP moves
+    while a process runs: 12 minutes into a CI run a live monitor's file read as a
+    dead process's. The kernel's clock-tick count decides where a file records it."""
+    inst = "inst-" + uuid.uuid4().hex[:6]
+    path = state_path_for(inst, "scheduler")
+    mon = HealthMonitor(lambda: (True, "probe"), failure_threshold=1, probe_interval_s=60, recovery_probes=1,
+                        process="scheduler", backend="mooncake", state_path=path)
+    try:
+        with open(path) as f:
+            st = json.load(f)
+        assert st["start_mark"], st
+        st["started"] += 2.0  # as a later reading differs once the boot time stepped
+        with open(path, "w") as f:
+            json.dump(st, f)
+        res = doctor(inst)
+        assert "ok   engine health scheduler" in res.output and "stale" not in res.output, res.output
+        # The same pid started at another tick: a reused pid, not this process.
+        boot, ticks = st["start_mark"].rsplit(":", 1)
+        st["start_mark"], st["started"] = f"{boot}:{int(ticks) - 100}", st["started"] - 2.0
+        with open(path, "w") as f:
+            json.dump(st, f)
+        res = doctor(inst)
+        assert f"stale health file of a dead process: {path}" in res.output and "engine health" not in res.output
+    finally:
+        mon.close()

@@ -95,6 +95,10 @@ class HealthSnapshot:
     #: different process once the kernel reuses it, and a long-lived host's
     #: temp dir keeps health files of engines that died without cleaning up.
     started: float = 0.0
+    #: the same start as the kernel counts it, "<boot id>:<clock ticks since boot>":
+    #: unlike ``started`` it never moves while the process runs (psutil adds the
+    #: boot time from /proc/stat, whole seconds that NTP shifts), so it decides.
+    start_mark: str = ""
 
 
 Probe = Callable[[], tuple[bool, str]]
@@ -331,6 +335,7 @@ class HealthMonitor:
             backend=self.backend,
             pid=os.getpid(),
             started=_own_start_time(),
+            start_mark=_own_start_mark(),
         )
 
     def _publish(self) -> None:
@@ -376,13 +381,16 @@ def read_states(directory: str | None = None, instance_id: str | None = None) ->
                 state = json.load(f)
         except (OSError, ValueError):
             continue
-        out.append((path, state, _alive(int(state.get("pid", 0)), float(state.get("started", 0.0)))))
+        out.append((path, state, _alive(int(state.get("pid", 0)), float(state.get("started", 0.0)),
+                                        str(state.get("start_mark", "")))))
     return out
 
 
-#: two readings of one process's start time differ by less than this; a
-#: reused pid belongs to a process started after the first one died.
-START_TIME_SLACK_S = 0.5
+#: two wall-clock readings of one process's start time (psutil's create_time)
+#: differ by less than this: whole seconds of boot time, moved by NTP; only
+#: files without a ``start_mark`` are judged by it. A reused pid belongs to a
+#: process started after the first one died.
+START_TIME_SLACK_S = 1.5
 
 
 @functools.cache
@@ -393,14 +401,48 @@ def _own_start_time() -> float:
         return 0.0
 
 
-def _alive(pid: int, started: float = 0.0) -> bool:
+@functools.cache
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _start_mark(pid: int) -> str:
+    """``"<boot id>:<start in clock ticks since boot>"`` of a process, "" where
+    /proc cannot tell (then the wall-clock start decides)."""
+    boot = _boot_id()
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        # Field 22; the command name (field 2) may hold spaces and parentheses.
+        ticks = int(stat[stat.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return ""
+    return f"{boot}:{ticks}" if boot else ""
+
+
+@functools.cache
+def _own_start_mark() -> str:
+    return _start_mark(os.getpid())
+
+
+def _alive(pid: int, started: float = 0.0, start_mark: str = "") -> bool:
     """Whether the process that wrote a health file still runs: its pid
-    exists and, when the file recorded it, started at the same time (files
-    written before ``started`` existed are judged by the pid alone)."""
+    exists and, when the file recorded it, started at the same time: by the
+    kernel's clock-tick count where the file has it, else by wall-clock time
+    within ``START_TIME_SLACK_S`` (files written before ``started`` existed are
+    judged by the pid alone)."""
     if pid <= 0:
         return False
     try:
         proc = psutil.Process(pid)
+        if start_mark:
+            now = _start_mark(pid)
+            if now:
+                return now == start_mark
         if started and abs(proc.create_time() - started) > START_TIME_SLACK_S:
             return False
     except psutil.NoSuchProcess:
