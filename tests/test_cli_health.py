@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import uuid
 
@@ -105,3 +106,33 @@ def test_a_clock_step_never_makes_a_running_engine_stale(private_state_dir):
         assert f"stale health file of a dead process: {path}" in res.output and "engine health" not in res.output
     finally:
         mon.close()
+
+
+def test_a_forked_process_publishes_a_start_of_its_own(private_state_dir):
+    """vLLM may fork its workers after the engine's process published its health; a
+    child that wrote its parent's start would read as a dead process to doctor."""
+    inst = "inst-" + uuid.uuid4().hex[:6]
+    parent = HealthMonitor(lambda: (True, "probe"), failure_threshold=1, probe_interval_s=60, recovery_probes=1,
+                           process="scheduler", backend="local", state_path=state_path_for(inst, "scheduler"))
+    ctx = multiprocessing.get_context("fork")
+    ready, done = ctx.Event(), ctx.Event()
+
+    def worker() -> None:
+        mon = HealthMonitor(lambda: (True, "probe"), failure_threshold=1, probe_interval_s=60, recovery_probes=1,
+                            process="worker-dp0-tp0-pp0", backend="local",
+                            state_path=state_path_for(inst, "worker-dp0-tp0-pp0"))
+        ready.set()
+        done.wait(60)
+        mon.close()
+
+    child = ctx.Process(target=worker)
+    child.start()
+    try:
+        assert ready.wait(60), "the forked worker never published"
+        res = doctor(inst)
+        assert "ok   engine health worker-dp0-tp0-pp0" in res.output and "stale" not in res.output, res.output
+        assert "ok   engine health scheduler" in res.output, res.output
+    finally:
+        done.set()
+        child.join(60)
+        parent.close()

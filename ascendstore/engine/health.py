@@ -334,8 +334,8 @@ class HealthMonitor:
             process=self.process,
             backend=self.backend,
             pid=os.getpid(),
-            started=_own_start_time(),
-            start_mark=_own_start_mark(),
+            started=_own_start_time(os.getpid()),
+            start_mark=_own_start_mark(os.getpid()),
         )
 
     def _publish(self) -> None:
@@ -393,10 +393,12 @@ def read_states(directory: str | None = None, instance_id: str | None = None) ->
 START_TIME_SLACK_S = 1.5
 
 
+# Both cached by pid: a process forked after the first reading (vLLM may fork its
+# workers) is another process, with a start of its own.
 @functools.cache
-def _own_start_time() -> float:
+def _own_start_time(pid: int) -> float:
     try:
-        return psutil.Process().create_time()
+        return psutil.Process(pid).create_time()
     except psutil.Error:
         return 0.0
 
@@ -425,8 +427,8 @@ def _start_mark(pid: int) -> str:
 
 
 @functools.cache
-def _own_start_mark() -> str:
-    return _start_mark(os.getpid())
+def _own_start_mark(pid: int) -> str:
+    return _start_mark(pid)
 
 
 def _alive(pid: int, started: float = 0.0, start_mark: str = "") -> bool:
