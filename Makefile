@@ -103,8 +103,14 @@ lint: setup
 
 # Microbenchmarks: each prints ratios against a baseline measured in the same run
 # (configurations interleaved round by round; see bench/harness.py).
+# BENCH_COMPACT: bench_local has the kernel compact free memory before each of its
+# processes (where /proc/sys/vm/compact_memory is writable, i.e. as root): on 4 KiB
+# pages a copy's speed follows how scattered a fresh mapping's pages are, which
+# otherwise depends on how fragmented the host's free memory happens to be
+# (docs/benchmarking.md). BENCH_COMPACT= (empty) measures without it.
+BENCH_COMPACT ?= $(shell test -w /proc/sys/vm/compact_memory && echo 1)
 bench: setup
-	$(PY) bench/bench_local.py
+	$(PY) bench/bench_local.py $(if $(BENCH_COMPACT),--compact-memory)
 	$(PY) bench/bench_connector.py
 	$(PY) bench/bench_lookup.py
 	$(PY) bench/bench_mooncake.py
@@ -122,7 +128,7 @@ BENCH_SHM_HUGE ?=
 bench-agree: setup
 	mkdir -p $(BENCH_OUT); rc=0; \
 	for i in 1 2; do \
-	  $(PY) bench/bench_local.py --json $(if $(BENCH_HUGETLBFS),--hugetlbfs $(BENCH_HUGETLBFS)) $(if $(BENCH_SHM_HUGE),--shm-huge $(BENCH_SHM_HUGE)) > $(BENCH_OUT)/local$$i.json || rc=1; \
+	  $(PY) bench/bench_local.py --json $(if $(BENCH_COMPACT),--compact-memory) $(if $(BENCH_HUGETLBFS),--hugetlbfs $(BENCH_HUGETLBFS)) $(if $(BENCH_SHM_HUGE),--shm-huge $(BENCH_SHM_HUGE)) > $(BENCH_OUT)/local$$i.json || rc=1; \
 	  $(PY) bench/bench_lookup.py --json $(BENCH_OUT)/lookup$$i.json > /dev/null || rc=1; \
 	  $(PY) bench/bench_connector.py --json > $(BENCH_OUT)/connector$$i.json || rc=1; \
 	done; \

@@ -40,6 +40,17 @@ spread *across processes*; ``within_spread`` is the median of the processes'
 own round-to-round spreads. ``exists`` and the disk tier run once, in the
 parent. Bounded: about 80 s (``--quick``: about 12 s).
 
+**Where a process's pages come from.** Which 4 KiB pages a fresh /dev/shm mapping
+gets (a pool's segment, the ``memcpy shm`` mirror) depends on how fragmented the
+host's free memory is at that moment, and on the KVM guest measured a copy ran up
+to 2x faster on pages that share their 2 MiB physical frames with their neighbours
+than on scattered ones (docs/benchmarking.md). Every process records that share for
+each mapping it copies to or from (``layout``, from /proc/self/pagemap: root only),
+so ``harness.py agree`` shows when two runs disagree because their memory was laid
+out differently; ``--compact-memory`` (root) has the kernel compact free memory
+before each process, which makes the layouts, and so the runs, agree far more often
+(``make bench`` and ``make bench-agree`` pass it where they can).
+
 With ``--hugetlbfs DIR`` every process also measures a third pool, checksum off,
 whose DRAM tier is on that hugetlbfs mount (``off, huge pages``), interleaved with
 the rest: the same copies from 2 MiB pages instead of /dev/shm's 4 KiB ones.
@@ -51,7 +62,7 @@ keeps small ones. The host's /dev/shm is not touched; ``shm_huge`` in the output
 which /dev/shm the figures come from.
 
     .venv/bin/python bench/bench_local.py [--json] [--quick] [--procs N] [--rounds N] [--hugetlbfs DIR]
-        [--shm-huge advise|within_size|always|never] [--user-offset N]
+        [--shm-huge advise|within_size|always|never] [--user-offset N] [--compact-memory]
 """
 
 from __future__ import annotations
@@ -76,7 +87,7 @@ from ascendstore.contract import BackendContext, Region, Status
 from ascendstore.local import _shmpool
 from ascendstore.local.backend import LocalBackend
 from ascendstore.local.options import LocalOptions
-from ascendstore.local.pages import tmpfs_huge
+from ascendstore.local.pages import frame_share, tmpfs_huge
 
 KiB, MiB = 1 << 10, 1 << 20
 BATCH = 32
@@ -204,10 +215,24 @@ def bench_dram(size: int, rounds: int, min_s: float, pool_bytes: int, page_size:
             assert np.array_equal(check, user)
         # which pages each pool's segment was in (prefaulted: all of it resident)
         out["pages"] = {ck: be.dram_pages().kind for ck, be in pools.items()}
+        mirrored = {"memcpy shm": (shm.addr, n_keys * size), "memcpy": (anon.ctypes.data, anon.nbytes)}
+        out["layout"] = _layout(pools, mirrored)
         return out
     finally:
         for be in pools.values():
             be.destroy()
+
+
+def _layout(pools: dict[str, LocalBackend], mirrors: dict[str, tuple[int, int]]) -> dict:
+    """How physically contiguous each mapping a figure copies to or from is
+    (``frame_share``): each pool's segment and each baseline's mirror. A copy on
+    4 KiB pages runs faster the more of them share a 2 MiB frame, and a fresh
+    mapping gets whatever the host's free memory offers, so these say when two
+    runs disagree because their memory was laid out differently. Empty when the
+    frame numbers are hidden (not root)."""
+    shares = {f"pool {ck}": be.dram_pages().frame_share for ck, be in pools.items()}
+    shares |= {name: frame_share(*span) for name, span in mirrors.items()}
+    return {name: stat([x]).as_dict() for name, x in shares.items() if x is not None}
 
 
 def bench_exists(n: int, calls: int, rounds: int) -> dict:
@@ -311,6 +336,19 @@ def _one_process(rounds: int, min_s: float, page_size: int, hugetlbfs: str | Non
     return json.loads(out.stdout)
 
 
+#: writing 1 here makes the kernel compact all free memory (root)
+COMPACT = "/proc/sys/vm/compact_memory"
+
+
+def _compact_memory() -> None:
+    """Have the kernel gather free memory into large blocks before a DRAM process maps
+    its pools and mirrors: the pages a fresh /dev/shm mapping gets otherwise depend on
+    how fragmented the host's free memory happens to be, and a copy on 4 KiB pages
+    ran up to 2x faster on pages that share their 2 MiB frames (``layout``)."""
+    with open(COMPACT, "w") as f:
+        f.write("1")
+
+
 def _across(runs: list[dict]) -> dict:
     """Each figure as the median over processes of the process medians (min..max across
     processes), keeping every process's median and the median within-process spread."""
@@ -323,7 +361,10 @@ def _across(runs: list[dict]) -> dict:
                 continue
             out[key][section] = {}
             for name in figs:
-                out[key][section][name] = across_processes([r[key][section][name] for r in runs])
+                # a layout share a process could not read (frame numbers hidden) is left out
+                got = [r[key][section][name] for r in runs if name in r[key].get(section, {})]
+                if len(got) == len(runs):
+                    out[key][section][name] = across_processes(got)
     return out
 
 
@@ -339,6 +380,9 @@ def main(
                                   "(needs 256 MiB of huge pages reserved: vm.nr_hugepages)"),
     shm_huge: str = typer.Option("", help="run the DRAM part over a private /dev/shm mounted huge=this "
                                  f"({', '.join(SHM_HUGE)}; root); default: the host's /dev/shm"),
+    compact_memory: bool = typer.Option(False, "--compact-memory", help="compact the host's free memory before "
+                                        "each DRAM process, so its mappings' layout does not depend on how "
+                                        f"fragmented it was ({COMPACT}; root)"),
     user_offset: int = typer.Option(0, "--user-offset", help="the caller's buffers start this many bytes past a "
                                     "4 KiB boundary (0: 64-byte aligned, as vLLM's KV tensors)"),
     child: bool = typer.Option(False, "--child", hidden=True, help="one process of the DRAM part, as JSON"),
@@ -349,6 +393,8 @@ def main(
         raise typer.BadParameter(f"--shm-huge must be one of {', '.join(SHM_HUGE)}, not {shm_huge!r}")
     if shm_huge and os.geteuid() != 0:
         raise typer.BadParameter("--shm-huge mounts a tmpfs in a private mount namespace: run as root")
+    if compact_memory and not os.access(COMPACT, os.W_OK):
+        raise typer.BadParameter(f"--compact-memory writes {COMPACT}: run as root on a kernel with compaction")
     rounds = rounds or (3 if quick else 5)
     procs = procs or (2 if quick else 9)
     min_s = min_s or (0.03 if quick else 0.04)
@@ -365,10 +411,15 @@ def main(
         "user_offset": user_offset,
         # the huge= of the /dev/shm the pools lived in (the kernel's default: never)
         "shm_huge": shm_huge or tmpfs_huge("/dev/shm"),
+        "compact_memory": compact_memory,
         "env_before": env_info(),
     }
-    results.update(_across([_one_process(rounds, min_s, page_size, huge, shm_huge or None, user_offset)
-                            for _ in range(procs)]))
+    runs = []
+    for _ in range(procs):
+        if compact_memory:
+            _compact_memory()
+        runs.append(_one_process(rounds, min_s, page_size, huge, shm_huge or None, user_offset))
+    results.update(_across(runs))
     results["exists_512_us"] = bench_exists(512, 20 if quick else 60, rounds)
     results["disk_64KiB"] = bench_disk(64 * KiB, 32 * MiB if quick else 64 * MiB, 2 if quick else 3)
     results["env_after"] = env_info()
@@ -415,6 +466,11 @@ def main(
                 f"{name.split('_')[1]} {op} baselines GB/s: memcpy {_s(g[f'{op}: memcpy'])}, "
                 f"memcpy/obj {_s(g[f'{op}: memcpy/obj'])}, memcpy shm {_s(g[f'{op}: memcpy shm'])}, "
                 f"stream {_s(g[f'{op}: stream'])}"
+            )
+        if r.get("layout"):
+            con.print(
+                f"{name.split('_')[1]} layout (share of 4 KiB pages in their neighbour's 2 MiB frame): "
+                + ", ".join(f"{m} {_s(v)}" for m, v in r["layout"].items())
             )
     con.print(t)
     within = [

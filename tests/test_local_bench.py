@@ -53,6 +53,17 @@ def test_bench_local_quick_reports_every_figure(tmp_path):
     # the host's idle polling, with which every hand-off figure moves (ascendstore.handoff)
     assert {k: res["env_before"][k] for k in ("cpuidle_driver", "guest_halt_poll_ns")} == halt_polling().as_dict()
     assert list(tmp_path.iterdir()) == []  # the bench's disk tier cleaned up after itself
+    # how physically contiguous each mapping was (docs/benchmarking.md): root reads frame numbers
+    assert res["compact_memory"] is False
+    for size in ("64KiB", "2048KiB"):
+        layout = res[f"dram_{size}"].get("layout", {})
+        if os.geteuid() == 0:
+            assert set(layout) == {"pool off", "pool on", "memcpy shm", "memcpy"}, size
+            for name, v in layout.items():
+                assert 0.0 <= v["min"] <= v["median"] <= v["max"] <= 1.0, (size, name)
+                assert len(v["per_process"]) == res["procs"]
+        else:
+            assert layout == {}
     host = tmpfs_huge("/dev/shm")
     assert res["shm_huge"] == host
     if host == "never":  # the usual default: the pools' segments in 4 KiB pages, and said so
@@ -88,3 +99,33 @@ def test_bench_local_over_a_private_dev_shm_that_grants_huge_pages(tmp_path):
     for size in ("64KiB", "2048KiB"):  # the pools asked for huge pages and got them
         assert res[f"dram_{size}"]["pages"] == {"off": ["thp"], "on": ["thp"]}, size
         assert res[f"dram_{size}"]["gbps"]["get checksum off"]["median"] > 0
+
+
+def test_compact_memory_is_asked_for_and_refused_where_it_cannot_run(monkeypatch, tmp_path):
+    """--compact-memory compacts the host's free memory before each DRAM process (the
+    layout a fresh mapping gets decides its copies' speed on 4 KiB pages); where the
+    knob cannot be written it fails at once, naming it."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_local
+    from typer.testing import CliRunner
+
+    monkeypatch.setattr(bench_local, "COMPACT", str(tmp_path / "no-such-dir" / "compact_memory"))
+    got = CliRunner().invoke(bench_local.app, ["--compact-memory", "--quick"])
+    assert got.exit_code == 2
+    assert "--compact-memory" in got.output and "compact_memory" in got.output
+    knob = tmp_path / "compact_memory"
+    knob.write_text("")
+    compactions = []
+
+    def one_process(*args: object) -> dict:  # each DRAM process finds memory compacted just before it
+        compactions.append(knob.read_text())
+        knob.write_text("")
+        return {}
+
+    monkeypatch.setattr(bench_local, "COMPACT", str(knob))
+    monkeypatch.setattr(bench_local, "_one_process", one_process)
+    monkeypatch.setattr(bench_local, "bench_exists", lambda *a: {"median": 1.0})
+    monkeypatch.setattr(bench_local, "bench_disk", lambda *a: {})
+    got = CliRunner().invoke(bench_local.app, ["--compact-memory", "--quick", "--procs", "3", "--json"])
+    assert got.exit_code == 0, got.output
+    assert compactions == ["1", "1", "1"] and json.loads(got.output)["compact_memory"] is True

@@ -3,12 +3,27 @@ the real pages are tested in test_local_thp.py (root) and test_local_hugetlbfs.p
 
 from __future__ import annotations
 
+import mmap
+import os
+import tempfile
 import uuid
 
+import numpy as np
+import pytest
+
 from ascendstore.contract import BackendContext
+from ascendstore.local import pages
 from ascendstore.local.backend import LocalBackend
 from ascendstore.local.options import LocalOptions
-from ascendstore.local.pages import mapped_pages, mount_option
+from ascendstore.local.pages import (
+    DramPages,
+    dram_pages,
+    frame_share,
+    mapped_pages,
+    mapping_span,
+    mount_option,
+    share_in_frames,
+)
 
 MOUNTS = """\
 proc /proc proc rw,nosuid 0 0
@@ -82,3 +97,102 @@ def test_a_large_pool_in_small_pages_says_at_start_up_how_to_get_huge_ones(monke
     assert "mount -o remount,huge=advise /dev/shm" in hint and "hugetlbfs" in hint
     assert opened("advise", "1GiB") == []  # huge pages granted: nothing to say
     assert opened("never", "64MiB") == []  # a small pool: not worth a line
+
+
+def _entries(pfns: list[int | None]) -> np.ndarray:
+    """pagemap entries: a frame number with bit 63 (present) set, or 0 for a page not resident."""
+    return np.array([0 if p is None else (1 << 63) | p for p in pfns], dtype=np.uint64)
+
+
+def test_neighbours_in_one_2mib_frame_are_counted():
+    assert share_in_frames(_entries(list(range(512 * 7, 512 * 7 + 64)))) == (63, 63)  # contiguous
+    # every page from another frame: what a fragmented host hands a fresh mapping
+    assert share_in_frames(_entries([512 * i + 3 for i in range(64)])) == (63, 0)
+    # two contiguous halves in frames far apart: one pair of 63 crosses
+    assert share_in_frames(_entries(list(range(512, 544)) + list(range(512 * 40, 512 * 40 + 32)))) == (63, 62)
+    # every other page of one frame (the rest held by another process) still shares it
+    assert share_in_frames(_entries(list(range(0, 128, 2)))) == (63, 63)
+    # pages not resident are left out, neither a break nor a neighbour
+    assert share_in_frames(_entries([1024, 1025, None, 9000, 9001])) == (2, 2)
+    # frame numbers hidden (not root): every resident page reads frame 0
+    assert share_in_frames(_entries([0, 0, 0])) == (0, 0)
+
+
+def _pagemap(tmp_path, pfns: list[int | None]) -> str:
+    path = tmp_path / "pagemap"
+    path.write_bytes(_entries(pfns).tobytes())
+    return str(path)
+
+
+def test_frame_share_reads_a_mapping_whole_or_in_windows(tmp_path):
+    scattered = [512 * i for i in range(4096)]
+    assert frame_share(0, 4096 * 4096, pagemap=_pagemap(tmp_path, scattered)) == 0.0
+    contiguous = _pagemap(tmp_path, list(range(4096)))
+    assert frame_share(0, 4096 * 4096, pagemap=contiguous) == pytest.approx(1 - 7 / 4095)  # 8 frames
+    # a larger mapping is read in windows of a frame's pages: pairs across windows are not counted
+    assert frame_share(0, 4096 * 4096, sample_pages=1024, pagemap=contiguous) == 1.0
+    assert pages._windows(0, 4096 * 4096, 1024) == [(0, 512), (2048, 512)]
+    assert pages._windows(4096 * 3, 100, 1024) == [(3, 1)]
+    # too few resident pages to tell, or hidden frame numbers: no figure
+    assert frame_share(0, 4096 * 64, pagemap=contiguous) is None
+    assert frame_share(0, 4096 * 4096, pagemap=_pagemap(tmp_path, [0] * 4096)) is None
+    assert frame_share(0, 4096, pagemap=str(tmp_path / "absent")) is None
+
+
+def test_the_mapping_of_a_segment_is_found_by_its_path(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text(SMAPS)
+    assert mapping_span("/dev/shm/ascendstore-pool.a", str(maps)) == (0x7F0000000000, 0x4000000)  # the largest
+    assert mapping_span("/dev/shm/ascendstore-pool.ab", str(maps)) == (0x7F1000000000, 0x200000)
+    assert mapping_span("/dev/shm/none", str(maps)) is None
+
+
+def test_scattered_pages_are_named_with_what_to_do():
+    def said(share: float | None) -> str:
+        return DramPages("small", "/dev/shm/ascendstore-pool.a", "never", 8 << 20, 0, share).describe()
+
+    assert "scattered" in said(0.1) and "compact_memory" in said(0.1) and "0.10 of neighbouring" in said(0.1)
+    assert "scattered" not in said(0.95) and "0.95 of neighbouring" in said(0.95)
+    assert "neighbouring" not in said(None)
+
+
+def test_attaching_maps_only_pages_the_segment_holds(tmp_path):
+    """``dram_pages`` in a process that only attached (doctor) maps in the pages the
+    segment already holds, to read their frames, and allocates none."""
+    fd, path = tempfile.mkstemp(prefix="ascendstore-test-pages-", dir="/dev/shm")
+    try:
+        os.ftruncate(fd, 16 << 20)
+        with mmap.mmap(fd, 16 << 20) as writer:
+            writer[: 6 << 20] = b"\1" * (6 << 20)  # the first 6 MiB held by the segment
+        held = os.fstat(fd).st_blocks
+        with mmap.mmap(fd, 16 << 20) as m:
+            assert mapped_pages(path)[0] == 0  # attached: nothing mapped in yet
+            p = dram_pages(path, on_hugetlbfs=False)
+            assert os.fstat(fd).st_blocks == held  # nothing allocated
+            assert mapped_pages(path)[0] == 6 << 20 == p.resident_bytes
+            if os.geteuid() == 0:
+                assert p.frame_share is not None and 0.0 <= p.frame_share <= 1.0
+            else:  # frame numbers hidden from other users
+                assert p.frame_share is None
+            del m
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def test_a_creator_whose_pages_scattered_says_so_at_start_up(monkeypatch, caplog):
+    import ascendstore.local.backend as local_backend
+
+    def warned(share: float | None) -> list[str]:
+        monkeypatch.setattr(local_backend, "frame_share", lambda addr, nbytes: share)
+        monkeypatch.setattr(local_backend, "_PAGE_HINT_BYTES", 4 << 20)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="ascendstore.local.backend"):
+            be = LocalBackend.create(LocalOptions(name=f"pg-{uuid.uuid4().hex[:8]}", capacity="8MiB",
+                                                  prefault=True), BackendContext())
+            be.destroy()
+        return [r.getMessage() for r in caplog.records if "2 MiB frame" in r.getMessage()]
+
+    (line,) = warned(0.05)
+    assert "0.05" in line and "compact_memory" in line and "huge pages" in line
+    assert warned(0.9) == [] and warned(None) == []
