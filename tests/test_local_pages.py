@@ -19,6 +19,7 @@ from ascendstore.local.pages import (
     DramPages,
     dram_pages,
     frame_share,
+    frames_visible,
     mapped_pages,
     mapping_span,
     mount_option,
@@ -170,9 +171,9 @@ def test_attaching_maps_only_pages_the_segment_holds(tmp_path):
             p = dram_pages(path, on_hugetlbfs=False)
             assert os.fstat(fd).st_blocks == held  # nothing allocated
             assert mapped_pages(path)[0] == 6 << 20 == p.resident_bytes
-            if os.geteuid() == 0:
+            if frames_visible():
                 assert p.frame_share is not None and 0.0 <= p.frame_share <= 1.0
-            else:  # frame numbers hidden from other users
+            else:  # frame numbers hidden (not root, or a container without CAP_SYS_ADMIN)
                 assert p.frame_share is None
             del m
     finally:
@@ -196,3 +197,12 @@ def test_a_creator_whose_pages_scattered_says_so_at_start_up(monkeypatch, caplog
     (line,) = warned(0.05)
     assert "0.05" in line and "compact_memory" in line and "huge pages" in line
     assert warned(0.9) == [] and warned(None) == []
+
+
+def test_frame_numbers_are_seen_by_root_only(tmp_path):
+    visible = frames_visible()
+    if os.geteuid() != 0:
+        assert not visible  # the kernel hides them from other users
+    fake = tmp_path / "pagemap"
+    fake.write_bytes(b"")  # nothing to read: not visible, no error
+    assert frames_visible(str(fake)) is False

@@ -63,8 +63,9 @@ class DramPages:
 
 #: 4 KiB pages per 2 MiB frame
 FRAME_PAGES = 512
-#: a ``frame_share`` below this is reported as scattered (compacted memory reads 0.85-1.0,
-#: a host whose free memory was fragmented 0.0-0.4; docs/local-backend.md)
+#: a ``frame_share`` below this is reported as scattered (on the VM measured: 0.6-1.0 just
+#: after compaction, 0.4-0.9 as found, 0.0 with free memory fragmented on purpose;
+#: docs/benchmarking.md)
 SCATTERED_BELOW = 0.5
 #: pagemap entries read at most: windows of a frame's pages spread over a larger mapping
 SAMPLE_PAGES = 1 << 15
@@ -94,6 +95,19 @@ def _windows(addr: int, nbytes: int, sample_pages: int) -> list[tuple[int, int]]
     n = max(1, sample_pages // FRAME_PAGES)
     step = count // n
     return [(first + i * step, FRAME_PAGES) for i in range(n)]
+
+
+def frames_visible(pagemap: str = "/proc/self/pagemap") -> bool:
+    """Whether this process reads physical frame numbers (CAP_SYS_ADMIN: root outside a
+    container that drops it); without them ``frame_share`` is always None."""
+    probe = np.ones(1, dtype=np.uint8)  # resident: just written
+    try:
+        with open(pagemap, "rb") as f:
+            f.seek(probe.ctypes.data // 4096 * 8)
+            entry = int.from_bytes(f.read(8), "little")
+    except OSError:
+        return False
+    return bool(entry >> 63) and bool(entry & ((1 << 55) - 1))
 
 
 def frame_share(addr: int, nbytes: int, sample_pages: int = SAMPLE_PAGES,
