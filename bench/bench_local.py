@@ -87,7 +87,7 @@ from ascendstore.contract import BackendContext, Region, Status
 from ascendstore.local import _shmpool
 from ascendstore.local.backend import LocalBackend
 from ascendstore.local.options import LocalOptions
-from ascendstore.local.pages import frame_share, tmpfs_huge
+from ascendstore.local.pages import frame_share, mapping_span, tmpfs_huge
 
 KiB, MiB = 1 << 10, 1 << 20
 BATCH = 32
@@ -230,8 +230,8 @@ def _layout(pools: dict[str, LocalBackend], mirrors: dict[str, tuple[int, int]])
     mapping gets whatever the host's free memory offers, so these say when two
     runs disagree because their memory was laid out differently. Empty when the
     frame numbers are hidden (not root)."""
-    shares = {f"pool {ck}": be.dram_pages().frame_share for ck, be in pools.items()}
-    shares |= {name: frame_share(*span) for name, span in mirrors.items()}
+    spans = {f"pool {ck}": mapping_span(be.dram_pages().path) for ck, be in pools.items()}
+    shares = {name: frame_share(*span) for name, span in (spans | mirrors).items() if span is not None}
     return {name: stat([x]).as_dict() for name, x in shares.items() if x is not None}
 
 

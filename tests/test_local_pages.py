@@ -78,6 +78,9 @@ def test_a_pool_in_this_process_is_found_in_its_own_smaps():
         assert p.path == "/dev/shm/" + be.shm_name
         assert p.resident_bytes >= 8 << 20  # prefaulted: the whole arena is resident
         assert p.kind in ("small", "thp") and p.describe()
+        # mapped on a 2 MiB boundary, so the kernel can back it with 2 MiB pages (MADV_COLLAPSE)
+        span = mapping_span(p.path)
+        assert span is not None and span[0] % (2 << 20) == 0
     finally:
         be.close()
 
@@ -181,16 +184,19 @@ def test_attaching_maps_only_pages_the_segment_holds(tmp_path):
         os.unlink(path)
 
 
-def test_a_creator_whose_pages_scattered_says_so_at_start_up(monkeypatch, caplog):
+def test_a_pool_whose_pages_scattered_says_so_at_start_up(monkeypatch, caplog):
     import ascendstore.local.backend as local_backend
 
     def warned(share: float | None) -> list[str]:
-        monkeypatch.setattr(local_backend, "frame_share", lambda addr, nbytes: share)
+        # a pool in 4 KiB pages whose frames read ``share`` (a fragmented host: docs/local-backend.md)
+        monkeypatch.setattr(local_backend, "dram_pages",
+                            lambda path, on_hugetlbfs: DramPages("small", path, "never", 8 << 20, 0, share))
+        monkeypatch.setattr(local_backend, "tmpfs_huge", lambda path: "never")
         monkeypatch.setattr(local_backend, "_PAGE_HINT_BYTES", 4 << 20)
         caplog.clear()
         with caplog.at_level("WARNING", logger="ascendstore.local.backend"):
-            be = LocalBackend.create(LocalOptions(name=f"pg-{uuid.uuid4().hex[:8]}", capacity="8MiB",
-                                                  prefault=True), BackendContext())
+            be = LocalBackend.create(LocalOptions(name=f"pg-{uuid.uuid4().hex[:8]}", capacity="8MiB"),
+                                     BackendContext())
             be.destroy()
         return [r.getMessage() for r in caplog.records if "2 MiB frame" in r.getMessage()]
 
@@ -206,3 +212,28 @@ def test_frame_numbers_are_seen_by_root_only(tmp_path):
     fake = tmp_path / "pagemap"
     fake.write_bytes(b"")  # nothing to read: not visible, no error
     assert frames_visible(str(fake)) is False
+
+
+def test_no_small_pages_hint_for_a_pool_its_creator_had_made_of_2mib_pages(monkeypatch, caplog):
+    """A prefaulted pool on /dev/shm mounted huge=never is in 2 MiB pages where the kernel
+    collapses shmem (tests/test_local_thp.py): neither its creator nor a process that
+    attaches says it is in 4 KiB pages."""
+    import ascendstore.local.backend as local_backend
+
+    if local_backend.tmpfs_huge("/dev/shm") != "never":
+        pytest.skip("this host's /dev/shm grants huge pages itself")
+    monkeypatch.setattr(local_backend, "_PAGE_HINT_BYTES", 4 << 20)
+    name = f"pg-{uuid.uuid4().hex[:8]}"
+    with caplog.at_level("INFO", logger="ascendstore.local.backend"):
+        creator = LocalBackend.create(LocalOptions(name=name, capacity="8MiB", prefault=True), BackendContext())
+        try:
+            attached = LocalBackend.create(LocalOptions(name=name, capacity="8MiB", prefault=True), BackendContext())
+            attached.close()
+        finally:
+            collapsed = creator._pool.collapsed
+            creator.destroy()
+    hints = [r.getMessage() for r in caplog.records if "4 KiB pages" in r.getMessage()]
+    if collapsed:
+        assert hints == []
+    else:  # a kernel that cannot (before 6.1, or shmem_enabled=deny): both say so
+        assert len(hints) == 2 and all("could not make 2 MiB pages" in h for h in hints)

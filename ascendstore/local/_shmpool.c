@@ -179,6 +179,7 @@ typedef struct Pool {
     char lock_name[170]; /* shm name of the slot lock file */
     char huge_dir[128];  /* a hugetlbfs mount holding the segment, or "" for a /dev/shm object */
     uint64_t huge_page;  /* that mount's page size (0: /dev/shm) */
+    int collapsed;       /* this process created the pool and MADV_COLLAPSE put its arena in 2 MiB pages */
     int lock_fd;         /* this handle's own open of it (its own OFD: its own locks) */
     struct Pool *all_next, *all_prev; /* every open handle, to drop inherited lock fds after fork */
     int slot;
@@ -2386,14 +2387,54 @@ static void disk_files_remove_leftovers(hdr_t *h) {
     closedir(d);
 }
 
-/* Allocate the arena's memory now rather than on first touch. */
-static void prefault_arena(Pool *p) {
-    size_t len = (size_t)p->h->n_pages * p->h->page_size;
+#define HUGE_2M ((size_t)2 << 20)
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
-    if (madvise(ARENA(p), len, MADV_POPULATE_WRITE) == 0) return;
-    for (size_t o = 0; o < len; o += 4096) ((volatile uint8_t *)ARENA(p))[o] = 0;
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25
+#endif
+
+/* Map a /dev/shm segment at an address on a 2 MiB boundary (the file's offset 0 there),
+ * so that a 2 MiB page of the file can back a 2 MiB stretch of the mapping: the kernel
+ * aligns shmem mappings itself only where the mount grants huge pages, and without it
+ * MADV_COLLAPSE below is refused (EINVAL). Falls back to wherever mmap puts it. */
+static void *map_segment(size_t msize, int fd, int huge_page) {
+    if (!huge_page) {
+        uint8_t *span = mmap(NULL, msize + HUGE_2M, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (span != MAP_FAILED) {
+            uint8_t *at = (uint8_t *)(((uintptr_t)span + HUGE_2M - 1) & ~(uintptr_t)(HUGE_2M - 1));
+            void *h = mmap(at, msize, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
+            if (h != MAP_FAILED) {
+                if (at > span) munmap(span, (size_t)(at - span));
+                size_t tail = (size_t)(span + msize + HUGE_2M - (at + msize));
+                if (tail) munmap(at + msize, tail);
+                return h;
+            }
+            munmap(span, msize + HUGE_2M);
+        }
+    }
+    return mmap(NULL, msize, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+}
+
+/* Allocate the arena's memory now rather than on first touch. On /dev/shm, in 2 MiB
+ * pages where the kernel can: one page touched per 2 MiB, then MADV_COLLAPSE makes each
+ * such stretch one zeroed 2 MiB page (Linux 6.1+; it works on a tmpfs mounted huge=never,
+ * unless shmem_enabled is "deny"). A pool in 4 KiB pages copies up to 2x slower where
+ * those pages are scattered over physical memory, as on a host whose free memory is
+ * fragmented (docs/local-backend.md), and needs 512x the page-table entries. Whatever
+ * could not be collapsed (an older kernel, no free 2 MiB block) is then populated in
+ * 4 KiB pages, as before. */
+static void prefault_arena(Pool *p) {
+    uint8_t *arena = ARENA(p);
+    size_t len = (size_t)p->h->n_pages * p->h->page_size;
+    size_t whole = ((uintptr_t)arena % HUGE_2M) ? 0 : len / HUGE_2M * HUGE_2M;
+    if (!p->huge_page && whole) {
+        for (size_t o = 0; o < whole; o += HUGE_2M) ((volatile uint8_t *)arena)[o] = 0;
+        p->collapsed = madvise(arena, whole, MADV_COLLAPSE) == 0;
+    }
+    if (madvise(arena, len, MADV_POPULATE_WRITE) == 0) return;
+    for (size_t o = 0; o < len; o += 4096) ((volatile uint8_t *)arena)[o] = 0;
 }
 
 /* The segment's file: a POSIX shm object (/dev/shm: 4 KiB pages unless that tmpfs is
@@ -2476,7 +2517,7 @@ static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int
             if (fstat(fd, &sb) != 0) break;
             if ((uint64_t)sb.st_size >= sizeof(hdr_t)) {
                 msize = (size_t)sb.st_size;
-                h = mmap(NULL, msize, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+                h = map_segment(msize, fd, p->huge_page != 0);
                 if (h == MAP_FAILED) {
                     h = NULL;
                     map_errno = errno;
@@ -2715,6 +2756,7 @@ static int Pool_init(Pool *p, PyObject *args, PyObject *kw) {
         return -1;
     p->huge_dir[0] = 0;
     p->huge_page = 0;
+    p->collapsed = 0;
     if (huge && huge[0]) {
         struct statfs fs;
         if (strlen(huge) >= sizeof p->huge_dir) {
@@ -3831,6 +3873,7 @@ static PyObject *Pool_close(Pool *p, PyObject *args) {
 }
 
 static PyObject *Pool_get_shm_name(Pool *p, void *c) { return PyUnicode_FromString(p->shm_name); }
+static PyObject *Pool_get_collapsed(Pool *p, void *c) { return PyBool_FromLong(p->collapsed); }
 static PyObject *Pool_get_closed(Pool *p, void *c) { return PyBool_FromLong(atomic_load(&p->closed) || !p->h); }
 
 static PyMethodDef Pool_methods[] = {
@@ -3872,6 +3915,8 @@ static PyMethodDef Pool_methods[] = {
 
 static PyGetSetDef Pool_getset[] = {
     {"shm_name", (getter)Pool_get_shm_name, NULL, NULL, NULL},
+    {"collapsed", (getter)Pool_get_collapsed, NULL, NULL,
+     "this process created the pool and put its arena in 2 MiB pages (MADV_COLLAPSE)"},
     {"closed", (getter)Pool_get_closed, NULL, NULL, NULL},
     {NULL},
 };

@@ -27,14 +27,7 @@ from ascendstore.contract import (
 )
 from ascendstore.local import _shmpool
 from ascendstore.local.options import LocalOptions
-from ascendstore.local.pages import (
-    SCATTERED_BELOW,
-    DramPages,
-    dram_pages,
-    frame_share,
-    mapping_span,
-    tmpfs_huge,
-)
+from ascendstore.local.pages import SCATTERED_BELOW, DramPages, dram_pages, tmpfs_huge
 
 log = logging.getLogger(__name__)
 
@@ -112,13 +105,10 @@ class LocalHooks:
         return self._pool.check(timeout_s)
 
 
-def _warn_if_scattered(name: str, path: str) -> None:
-    """After the creator prefaulted the arena (its pages are this process's mapping's):
-    say so when its 4 KiB pages came scattered over 2 MiB frames, which halved the
-    pool's copies where measured. Silent where frame numbers are hidden (not root),
-    on huge pages, and in a process that only attached (too few pages mapped to tell)."""
-    span = mapping_span(path)
-    share = frame_share(*span) if span is not None else None
+def _warn_if_scattered(name: str, share: float | None) -> None:
+    """Say so when the pool's 4 KiB pages are scattered over 2 MiB frames, which halved
+    the pool's copies where measured. Silent where frame numbers are hidden (not root)
+    or too few pages are resident to tell (a pool that is not prefaulted, at start-up)."""
     if share is not None and share < SCATTERED_BELOW:
         log.warning(
             "local pool %r: only %.2f of its 4 KiB pages share a 2 MiB frame with their neighbour (the "
@@ -187,14 +177,20 @@ class LocalBackend(Backend):
         except (OSError, ValueError) as exc:
             raise BackendSetupError(f"local backend (pool {options.name!r}): {exc}") from exc
         _OPEN.add(pool)
-        if options.hugetlbfs is None and options.capacity >= _PAGE_HINT_BYTES and tmpfs_huge("/dev/shm") == "never":
-            log.info(
-                "local pool %r: DRAM tier in 4 KiB pages (/dev/shm is mounted huge=never); in 2 MiB pages "
-                "large gets run ~25%% faster: `mount -o remount,huge=advise /dev/shm`, or set hugetlbfs "
-                "(docs/local-backend.md#huge-pages)", options.name,
-            )
-        if options.hugetlbfs is None and options.prefault and options.capacity >= _PAGE_HINT_BYTES:
-            _warn_if_scattered(options.name, "/dev/shm" + pool.shm_name)
+        if (options.hugetlbfs is None and options.capacity >= _PAGE_HINT_BYTES and not pool.collapsed
+                and tmpfs_huge("/dev/shm") == "never"):
+            # What this process maps (an attacher maps in a sample of what the segment
+            # holds): a pool its creator had the kernel put in 2 MiB pages reads "thp".
+            pages = dram_pages("/dev/shm" + pool.shm_name, on_hugetlbfs=False)
+            if pages.kind == "small":
+                log.info(
+                    "local pool %r: DRAM tier in 4 KiB pages (/dev/shm is mounted huge=never%s); in 2 MiB pages "
+                    "large gets run ~25%% faster: `mount -o remount,huge=advise /dev/shm`, or set hugetlbfs "
+                    "(docs/local-backend.md#huge-pages)", options.name,
+                    "; the kernel could not make 2 MiB pages of the whole prefaulted pool" if options.prefault
+                    else "; `prefault: true` has the kernel make 2 MiB pages of it on Linux 6.1+",
+                )
+                _warn_if_scattered(options.name, pages.frame_share)
         return cls(pool, options, ctx)
 
     @property

@@ -46,7 +46,8 @@ class LocalOptions(BackendOptions):
         True, description="the last process to close the pool removes its shared memory and disk files"
     )
     prefault: Bool = Field(
-        False, description="allocate all of the capacity's memory when the pool is created"
+        False, description="allocate all of the capacity's memory when the pool is created; on /dev/shm in 2 MiB "
+        "pages where the kernel makes them (MADV_COLLAPSE, Linux 6.1+), whatever the mount's huge="
     )
     hugetlbfs: str | None = Field(
         None,

@@ -3,7 +3,8 @@
 A 2 MiB get from a pool in 4 KiB pages runs 19-25% slower on the host measured than from
 2 MiB pages, and its speed moves with the host (docs/benchmarking.md). The pool asks for
 transparent huge pages on its /dev/shm mapping (``madvise``); whether it gets them is the
-tmpfs mount's ``huge=`` option, an operator's setting. This reports both, for
+tmpfs mount's ``huge=`` option, an operator's setting, except that a prefaulted pool's
+creator has the kernel make them on any mount (``MADV_COLLAPSE``, Linux 6.1+). This reports both, for
 ``ascendstore doctor`` and tests, from ``/proc/self/mounts`` and ``/proc/self/smaps``
 (read on demand: a large process's smaps takes milliseconds, too slow for ``stats()``).
 """
@@ -44,6 +45,8 @@ class DramPages:
         held = f"{self.huge_bytes // mib} of {self.resident_bytes // mib} MiB resident in huge pages"
         if self.kind == "hugetlbfs":
             return f"hugetlbfs huge pages ({self.path}): {held}"
+        if self.kind == "thp" and self.mount_huge == "never":
+            return f"2 MiB pages its creator had the kernel make (MADV_COLLAPSE; tmpfs huge=never): {held}"
         if self.kind == "thp":
             return f"transparent huge pages (tmpfs huge={self.mount_huge}): {held}"
         scattered = ""
