@@ -214,23 +214,24 @@ def bench_dram(size: int, rounds: int, min_s: float, pool_bytes: int, page_size:
             assert be.get(batches[0], cregions, 5.0) == [Status.OK] * BATCH
             assert np.array_equal(check, user)
         # which pages each pool's segment was in (prefaulted: all of it resident)
-        out["pages"] = {ck: be.dram_pages().kind for ck, be in pools.items()}
+        pages = {ck: be.dram_pages() for ck, be in pools.items()}
+        out["pages"] = {ck: p.kind for ck, p in pages.items()}
         mirrored = {"memcpy shm": (shm.addr, n_keys * size), "memcpy": (anon.ctypes.data, anon.nbytes)}
-        out["layout"] = _layout(pools, mirrored)
+        out["layout"] = _layout({ck: p.path for ck, p in pages.items()}, mirrored)
         return out
     finally:
         for be in pools.values():
             be.destroy()
 
 
-def _layout(pools: dict[str, LocalBackend], mirrors: dict[str, tuple[int, int]]) -> dict:
+def _layout(segments: dict[str, str], mirrors: dict[str, tuple[int, int]]) -> dict:
     """How physically contiguous each mapping a figure copies to or from is
-    (``frame_share``): each pool's segment and each baseline's mirror. A copy on
+    (``frame_share``): each pool's segment (by path) and each baseline's mirror. A copy on
     4 KiB pages runs faster the more of them share a 2 MiB frame, and a fresh
     mapping gets whatever the host's free memory offers, so these say when two
     runs disagree because their memory was laid out differently. Empty when the
     frame numbers are hidden (not root)."""
-    spans = {f"pool {ck}": mapping_span(be.dram_pages().path) for ck, be in pools.items()}
+    spans = {f"pool {ck}": mapping_span(path) for ck, path in segments.items()}
     shares = {name: frame_share(*span) for name, span in (spans | mirrors).items() if span is not None}
     return {name: stat([x]).as_dict() for name, x in shares.items() if x is not None}
 

@@ -177,11 +177,12 @@ class LocalBackend(Backend):
         except (OSError, ValueError) as exc:
             raise BackendSetupError(f"local backend (pool {options.name!r}): {exc}") from exc
         _OPEN.add(pool)
+        backend = cls(pool, options, ctx)
         if (options.hugetlbfs is None and options.capacity >= _PAGE_HINT_BYTES and not pool.collapsed
                 and tmpfs_huge("/dev/shm") == "never"):
             # What this process maps (an attacher maps in a sample of what the segment
             # holds): a pool its creator had the kernel put in 2 MiB pages reads "thp".
-            pages = dram_pages("/dev/shm" + pool.shm_name, on_hugetlbfs=False)
+            pages = backend.dram_pages()
             if pages.kind == "small":
                 log.info(
                     "local pool %r: DRAM tier in 4 KiB pages (/dev/shm is mounted huge=never%s); in 2 MiB pages "
@@ -191,7 +192,7 @@ class LocalBackend(Backend):
                     else "; `prefault: true` has the kernel make 2 MiB pages of it on Linux 6.1+",
                 )
                 _warn_if_scattered(options.name, pages.frame_share)
-        return cls(pool, options, ctx)
+        return backend
 
     @property
     def capabilities(self) -> Capabilities:
