@@ -694,6 +694,20 @@ static void slot_lock_release(Pool *p, int slot) {
     if (p->lock_fd >= 0) slot_lock_op(p->lock_fd, slot, F_OFD_SETLK, F_UNLCK);
 }
 
+/* The creator of a segment holds an OFD write lock on its byte 0 from before it sizes the
+ * file until the pool is ready. Unlike a pid, the lock goes away with the process however
+ * it ends and reads the same from every PID namespace. F_UNLCK releases; otherwise 0 when
+ * taken, -1 when another open file holds it. */
+static int init_lock_op(int fd, short type) {
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = type;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = 0;
+    fl.l_len = 1;
+    return fcntl(fd, F_OFD_SETLK, &fl) == 0 ? 0 : -1;
+}
+
 static int open_lock_file(Pool *p) {
     if (p->lock_fd >= 0) return 0;
     p->lock_fd = shm_open(p->lock_name, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
@@ -2490,6 +2504,9 @@ static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int
         int fd = arena_open(p, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
         if (fd >= 0) {
             created = 1;
+            /* held until the pool is ready (init_lock_op), taken before the file has a
+             * size, so whoever finds it sized and not ready can ask whether we are alive */
+            (void)init_lock_op(fd, F_WRLCK);
             if (ftruncate(fd, (off_t)want.total_size) != 0) {
                 snprintf(err, sizeof err, "cannot size shared memory %s to %llu bytes: %s", where,
                          (unsigned long long)want.total_size, strerror(errno));
@@ -2508,29 +2525,64 @@ static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int
             snprintf(err, sizeof err, "cannot create shared memory %s: %s", where, strerror(errno));
             break;
         }
-        /* wait for the creator to size and initialise the segment */
+        /* Wait for the creator to size and initialise the segment. Creating a large
+         * prefaulted pool takes seconds per GiB, so open_timeout_s bounds a wait without
+         * progress, not the whole wait: while the creator holds its init lock and the
+         * segment's allocated blocks grow, the deadline moves on. A creator that died
+         * leaves the lock free and the segment not ready: replace it. */
         struct stat sb;
         hdr_t *h = NULL;
         size_t msize = 0;
-        int map_errno = 0;
+        int map_errno = 0, dead_creator = 0, stalled = 0;
+        long long blocks_seen = -1;
+        double waiting_since = now_mono();
         for (;;) {
             if (fstat(fd, &sb) != 0) break;
-            if ((uint64_t)sb.st_size >= sizeof(hdr_t)) {
+            if (!h && (uint64_t)sb.st_size >= sizeof(hdr_t)) {
                 msize = (size_t)sb.st_size;
                 h = map_segment(msize, fd, p->huge_page != 0);
                 if (h == MAP_FAILED) {
                     h = NULL;
                     map_errno = errno;
+                    break;
                 }
-                if (!h) break;
-                if (created || atomic_load_explicit(&h->ready, memory_order_acquire)) break;
-                munmap(h, msize);
-                h = NULL;
             }
-            if (now_mono() > deadline) break;
-            usleep(1000);
+            if (h && (created || atomic_load_explicit(&h->ready, memory_order_acquire))) break;
+            if (h) {
+                if (init_lock_op(fd, F_WRLCK) == 0) {
+                    /* nobody initialising: ready now, or its creator is gone */
+                    if (!atomic_load_explicit(&h->ready, memory_order_acquire)) {
+                        dead_creator = 1;
+                        /* unlinked only by whoever holds the lock and still finds this file
+                         * at the path, so a second replacer cannot unlink the new segment */
+                        struct stat at;
+                        char path[320];
+                        arena_path(p, path, sizeof path);
+                        if (stat(path, &at) == 0 && at.st_ino == sb.st_ino && at.st_dev == sb.st_dev)
+                            arena_unlink(p);
+                    }
+                    (void)init_lock_op(fd, F_UNLCK);
+                    if (dead_creator) break;
+                    continue;
+                }
+                if ((long long)sb.st_blocks != blocks_seen) { /* the creator is at work */
+                    blocks_seen = (long long)sb.st_blocks;
+                    deadline = now_mono() + timeout_s;
+                }
+            }
+            if (now_mono() > deadline) {
+                stalled = h != NULL;
+                break;
+            }
+            usleep(now_mono() - waiting_since < 0.05 ? 1000 : 10000);
         }
-        close(fd);
+        if (!created || !h) close(fd); /* a creator keeps it, and its lock, until ready */
+        if (dead_creator) {
+            munmap(h, msize);
+            h = NULL;
+            usleep(1000);
+            continue;
+        }
         if (!h && map_errno) {
             /* on hugetlbfs a mapping reserves its huge pages: ENOMEM when too few are free */
             snprintf(err, sizeof err, "cannot map shared memory %s (%zu bytes): %s%s", where, msize,
@@ -2541,9 +2593,17 @@ static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int
             if (created) arena_unlink(p);
             break;
         }
+        if (stalled) {
+            snprintf(err, sizeof err,
+                     "shared memory %s is being initialised by another process that has shown no progress "
+                     "for %.1f s (open_timeout_s); if its creator is stuck, stop it, remove the file and retry",
+                     where, timeout_s);
+            munmap(h, msize);
+            break;
+        }
         if (!h) {
             snprintf(err, sizeof err,
-                     "shared memory %s exists but was never initialised (its creator died?); remove it and retry",
+                     "shared memory %s exists but was never sized (its creator died?); remove it and retry",
                      where);
             break;
         }
@@ -2563,6 +2623,7 @@ static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int
             disk_files_remove_leftovers(h);
             if (prefault) prefault_arena(p);
             atomic_store_explicit(&h->ready, 1, memory_order_release);
+            close(fd); /* releases the init lock */
         } else if (h->magic != POOL_MAGIC || h->layout != POOL_LAYOUT || h->total_size != msize) {
             snprintf(err, sizeof err,
                      "shared memory %s is not an AscendStore pool of this version; remove it", where);

@@ -57,7 +57,10 @@ class LocalOptions(BackendOptions):
         "huge pages where it is mounted huge=advise, else 4 KiB ones)",
     )
     open_timeout_s: float = Field(
-        10.0, gt=0, description="bound on waiting for another process creating the pool"
+        10.0,
+        gt=0,
+        description="bound on waiting for another process creating the pool while it shows no progress "
+        "(a creator at work is waited for however long it takes, one that died is replaced at once)",
     )
 
     @field_validator("page_size")
