@@ -26,6 +26,7 @@ def test_bench_lookup_in_two_processes_reports_every_figure(tmp_path):
             assert q["within_spread"] >= 0
     s = res["scheduler"]
     assert s["tokens"] == 16384 and s["keys"] == 128 and s["pins"] is True
-    for name in ("ratio", "ratio_first"):
+    for name in ("ratio", "ratio_first", "ratio_first_native"):
         assert s[name]["n"] == 2 and s[name]["median"] > 0
+    assert "ratio_first_native" in s["ratio_by_level"]["fast"] or s["ratio_by_level"]["rounds"]["fast"] == 0
     assert len(res["holes"]) == 1
