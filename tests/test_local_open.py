@@ -88,12 +88,12 @@ def name():
 
 
 def test_a_creator_that_shows_progress_is_waited_for_past_open_timeout(name):
-    # 1.5 s of progress against a 0.4 s bound: the opener waits it out, and once the
-    # stand-in exits without making the pool ready, replaces its segment with a pool
-    creator = start_stand_in(name, "progress", steps=15)
+    # 3 s of progress, a page every 0.1 s, against a 1 s bound: the opener waits it out,
+    # and once the stand-in exits without making the pool ready, replaces its segment
+    creator = start_stand_in(name, "progress", steps=30)
     try:
-        be = open_pool(name, timeout_s=0.4)
-        # it waited for the creator: before the init lock it gave up after 0.4 s
+        be = open_pool(name, timeout_s=1.0)
+        # it waited for the creator: before the init lock it gave up after 1 s
         assert creator.poll() is not None
         assert usable(be)
         be.close()
