@@ -2505,8 +2505,15 @@ static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int
         if (fd >= 0) {
             created = 1;
             /* held until the pool is ready (init_lock_op), taken before the file has a
-             * size, so whoever finds it sized and not ready can ask whether we are alive */
-            (void)init_lock_op(fd, F_WRLCK);
+             * size, so whoever finds it sized and not ready can ask whether we are alive;
+             * without it they would take us for dead and replace the segment under us */
+            if (init_lock_op(fd, F_WRLCK) != 0) {
+                snprintf(err, sizeof err, "cannot lock shared memory %s while creating it: %s", where,
+                         strerror(errno));
+                close(fd);
+                arena_unlink(p);
+                break;
+            }
             if (ftruncate(fd, (off_t)want.total_size) != 0) {
                 snprintf(err, sizeof err, "cannot size shared memory %s to %llu bytes: %s", where,
                          (unsigned long long)want.total_size, strerror(errno));
