@@ -28,5 +28,6 @@ def test_bench_lookup_in_two_processes_reports_every_figure(tmp_path):
     assert s["tokens"] == 16384 and s["keys"] == 128 and s["pins"] is True
     for name in ("ratio", "ratio_first", "ratio_first_native"):
         assert s[name]["n"] == 2 and s[name]["median"] > 0
-    assert "ratio_first_native" in s["ratio_by_level"]["fast"] or s["ratio_by_level"]["rounds"]["fast"] == 0
+    lv = s["ratio_by_level"]
+    assert lv["rounds"]["fast"] == 0 or "ratio_first_native" in lv["fast"]  # (a level without rounds is left out)
     assert len(res["holes"]) == 1
