@@ -2563,9 +2563,7 @@ static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int
                         /* unlinked only by whoever holds the lock and still finds this file
                          * at the path, so a second replacer cannot unlink the new segment */
                         struct stat at;
-                        char path[320];
-                        arena_path(p, path, sizeof path);
-                        if (stat(path, &at) == 0 && at.st_ino == sb.st_ino && at.st_dev == sb.st_dev)
+                        if (stat(where, &at) == 0 && at.st_ino == sb.st_ino && at.st_dev == sb.st_dev)
                             arena_unlink(p);
                     }
                     (void)init_lock_op(fd, F_UNLCK);
