@@ -209,6 +209,21 @@ def test_expired_holdings_are_forgotten(pool):
     assert pool.pinned() == 0
 
 
+def test_a_scans_first_holding_expires_too(pool):
+    """A request's first pins taken by the native scan (the ledger's shortcut for a
+    request holding nothing yet) end with their lease like any other holding."""
+    lk, kb = _lookup(pool, lease_s=0.5)
+    assert lk.pins.by_run
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    assert _put(pool, _keys(kb, [h.hex() for h in hashes])) == [Status.OK] * 3
+    assert lk.prefix_hits("", hashes, 0, "first") == 3
+    assert lk.pins.holders() == 1 and pool.pinned() == 3
+    time.sleep(0.6)
+    lk.pins.expire()
+    assert lk.pins.holders() == 0 and lk.pins.held_keys() == 0, "a first holding outlived its lease"
+    assert pool.pinned() == 0
+
+
 def test_no_backend_pins_no_ledger():
     from ascendstore.contract import Capabilities
 

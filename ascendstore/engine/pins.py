@@ -136,6 +136,10 @@ class LookupPins:
         ledger then records (``took``): nothing is unpinned in between."""
         return self._lock
 
+    def holding(self, req_id: str) -> bool:
+        """``req_id`` holds pins (a dict read: no lock; a stale answer costs a probe)."""
+        return req_id in self._held
+
     def fresh(self, req_id: str) -> bool:
         """``req_id`` holds a run with at least half its lease left (whatever run)."""
         h = self._held.get(req_id)
@@ -187,12 +191,19 @@ class LookupPins:
         with self._lock:
             self.expire()
             old = self._held.get(req_id)
+            expires = self._clock() + self.lease_s
             if old is not None and old.scope == tenant and old.run == run:
-                old.expires = self._clock() + self.lease_s  # the same run, pinned again
+                old.expires = expires  # the same run, pinned again
                 old.breaks = breaks
                 return
             units = hashes if type(hashes) is list else list(hashes)
-            self._replace(req_id, _Holding(units, 1, self._clock() + self.lease_s, run, tenant, run[1], breaks))
+            new = _Holding(units, 1, expires, run, tenant, run[1], breaks)
+            if old is None:  # a request's first pins: nothing to let go of
+                self._held[req_id] = new
+                if expires < self._next_expiry:
+                    self._next_expiry = expires
+                return
+            self._replace(req_id, new)
 
     def _replace(self, req_id: str, new: _Holding | None, extra: Sequence = ()) -> None:
         # Hold the new before letting go of the old: what both have stays pinned.

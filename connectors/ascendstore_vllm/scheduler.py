@@ -210,19 +210,22 @@ class AscendStoreScheduler:
 
     def _matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         cfg = self.ctx.config
-        self._matched.pop(request.request_id, None)
-        self._lookup_local[request.request_id] = num_computed_tokens
-        if not self.ctx.can_load or request.num_tokens < max(cfg.min_lookup_tokens, 1):
+        # (what is read more than once is read once: this runs for every waiting
+        # request every step, and a request's first lookup pays for each line)
+        req_id, num_tokens = request.request_id, request.num_tokens
+        self._matched.pop(req_id, None)
+        self._lookup_local[req_id] = num_computed_tokens
+        if not self.ctx.can_load or num_tokens < max(cfg.min_lookup_tokens, 1):
             return 0, False
         # Chunk i covers blocks [i*bpc, min((i+1)*bpc, nblocks)) (as chunk_bounds), computed
         # arithmetically: a 128k-token prompt has a thousand chunks, and this runs per
         # waiting request per step, so no per-chunk Python object is made but the hashes.
         bs, bpc = self.ctx.block_size, self.ctx.blocks_per_chunk
-        nblocks = min(len(request.block_hashes), request.num_tokens // bs)
+        nblocks = min(len(request.block_hashes), num_tokens // bs)
         if self._state_groups:
             # vLLM keeps recurrent state only at block boundaries: a hit must end on one
             # before the last prompt token (never the "all but one token" hit below).
-            nblocks = min(nblocks, (request.num_tokens - 1) // bs)
+            nblocks = min(nblocks, (num_tokens - 1) // bs)
         nchunks = nblocks // bpc + (1 if nblocks % bpc and not cfg.discard_partial_chunks else 0)
         # First chunk not wholly on the device already.
         start = num_computed_tokens // (bpc * bs)
@@ -235,27 +238,28 @@ class AscendStoreScheduler:
         if start:
             hashes = [""] * start + hashes[start:]
         tenant = self.ctx.tenant(request.cache_salt)
-        hit = self._prefix_hits(tenant, hashes, start, request.request_id)
+        hit = self._prefix_hits(tenant, hashes, start, req_id)
         # A chunk that failed to load for this request is not offered again: vLLM
         # rewinds a failed async load to token 0 and asks again; offering the same
         # broken entry would loop forever.
-        hit = min(hit, self._bad_from.get(request.request_id, hit))
+        if self._bad_from:
+            hit = min(hit, self._bad_from.get(req_id, hit))
         hit_tokens = min(hit * bpc, nblocks) * bs if hit > start else 0
-        if hit_tokens >= request.num_tokens:
+        if hit_tokens >= num_tokens:
             # vLLM must compute at least one token to sample from.
-            hit_tokens = request.num_tokens - 1
+            hit_tokens = num_tokens - 1
         new = hit_tokens - num_computed_tokens
         self.metrics.add(
-            lookup_hit_tokens=max(new, 0), lookup_miss_tokens=request.num_tokens - num_computed_tokens - max(new, 0)
+            lookup_hit_tokens=max(new, 0), lookup_miss_tokens=num_tokens - num_computed_tokens - max(new, 0)
         )
         if new <= 0:
-            self._unpin([request.request_id])
+            self._unpin([req_id])
             return 0, False
         # Hybrid models load asynchronously: a state must land before vLLM copies it
         # forward at the start of the step, and vLLM takes block-level load errors only
         # from single-group models (hybrid failures go back as failed_recving).
         is_async = (cfg.load_async and not cfg.use_layerwise) or self.ctx.hybrid
-        self._matched[request.request_id] = (num_computed_tokens, new, is_async, start)
+        self._matched[req_id] = (num_computed_tokens, new, is_async, start)
         return new, is_async
 
     def _request_chunk_hashes(self, request: Request, nblocks: int, nchunks: int) -> list:
