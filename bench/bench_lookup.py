@@ -30,6 +30,16 @@ median of ``--calls`` calls, ratios per round:
    prompt whose chunks are all stored, then a fraction removed at random; per
    hole rate: probes, time, how often galloping overcounts the run and by how
    many chunks (those loads fail and are recomputed).
+4. A crowded pool (``--crowd N``, local backend): the longest prompt's chunks
+   (128k tokens: 1024) stored in random order among N other objects, as in a
+   pool many prompts share, so its entries and buckets lie scattered over
+   tables larger than the caches; the scan (``prefix_hits``) and the raw
+   exists of its keys, each called warm (back to back) and cold (after writing
+   ``--evict-mib`` of other memory, which evicts them from the caches: a
+   scheduler step between two lookups does much the same), all four
+   interleaved round by round. Parts 1 and 2 store only the prompt's chunks,
+   one after the other: their entries sit side by side, which flatters a
+   lookup.
 
     .venv/bin/python bench/bench_lookup.py [--json out.json] [--quick]
     .venv/bin/python bench/bench_lookup.py --layers 32     # layerwise keys: 32 objects per chunk
@@ -151,6 +161,58 @@ def part_prompts(args, backend, guard, keys: KeyBuilder, region) -> list[dict]: 
             )
     backend.remove_prefix(f"as1@{tenant}@", 10.0)
     return rows
+
+
+def part_crowded(args, keys: KeyBuilder, region) -> dict:  # type: ignore[no-untyped-def]
+    """The longest prompt's chunks among ``args.crowd`` other objects, warm and cold (part 4)."""
+    tokens = max(p for p in PROMPTS if p <= args.max_tokens)
+    chunks = tokens // args.block_size
+    tenant = tenant_id(f"crowd-{uuid.uuid4().hex}")
+    hs = chunk_hashes(chunks, tenant)
+    qkeys = keys.lookup_keys_flat(tenant, [h.hex() for h in hs])[0]
+    page = 4096  # one 4 KiB page per 64-byte object
+    ctx = BackendContext(role="scheduler", instance_id=f"bench-crowd-{uuid.uuid4().hex[:8]}", timeout_s=5.0)
+    backend = create_backend("local", {"capacity": (args.crowd + len(qkeys) + 1024) * page, "page_size": page}, ctx)
+    guard = BackendGuard(backend, timeout_s=5.0)  # (closing it removes the pool)
+    try:
+        others = [f"crowd-{i}-{uuid.uuid4().hex}" for i in range(args.crowd)]
+        order = qkeys + others
+        random.Random(0).shuffle(order)  # the prompt's entries scattered among the others'
+        _put_all(backend, order, region)
+        del order, others
+        scan = PoolLookup(guard, keys, 5.0)
+        assert scan.prefix_hits(tenant, hs) == chunks
+        evict = np.zeros(args.evict_mib << 20, dtype=np.uint8)
+
+        def timed(fn: Callable[[], object], cold: bool) -> float:
+            out = []
+            for _ in range(args.calls):
+                if cold:
+                    evict[::64] += 1  # a write to every line: theirs leave the caches
+                t0 = clock_ns()
+                fn()
+                out.append((clock_ns() - t0) / 1e3)
+            return statistics.median(out)
+
+        def raw() -> object:
+            return backend.exists(qkeys, 5.0)
+
+        def lookup() -> object:
+            return scan.prefix_hits(tenant, hs)
+
+        cases: dict[str, Callable[[], float]] = {
+            "raw": lambda: timed(raw, False), "scan": lambda: timed(lookup, False),
+            "raw cold": lambda: timed(raw, True), "scan cold": lambda: timed(lookup, True),
+        }
+        s = interleave(cases, args.rounds)
+        return {
+            "tokens": tokens, "keys": len(qkeys), "crowd": args.crowd, "evict_mib": args.evict_mib,
+            "us": {k: stat(v).as_dict() for k, v in s.items()},
+            "ratio": ratios(s["scan"], s["raw"]).as_dict(),
+            "ratio_cold": ratios(s["scan cold"], s["raw cold"]).as_dict(),
+        }
+    finally:
+        guard.close()
 
 
 def _per_round(s: dict[str, list[float]], figures: dict[str, tuple[str, str]]) -> dict[str, list[float]]:
@@ -373,6 +435,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=PROMPTS[-1])
     ap.add_argument("--holes", type=float, nargs="*", default=[0.0, 0.001, 0.01, 0.05])
     ap.add_argument("--hole-trials", type=int, default=8)
+    ap.add_argument("--crowd", type=int, default=200_000,
+                    help="part 4: other objects beside the 128k prompt's chunks (local backend; 0: skip the part)")
+    ap.add_argument("--evict-mib", type=int, default=64, help="part 4: memory written before each cold call")
     ap.add_argument("--procs", type=int, default=0, help="fresh processes for the prompt rows (0: 9, --quick: 1)")
     ap.add_argument("--quick", action="store_true", help="fewer rounds and calls")
     ap.add_argument("--json", help="also write the results as JSON here")
@@ -404,6 +469,9 @@ def main() -> None:
         holes = part_holes(args, backend, guard, keys, region) if native and not args.child else []
     finally:
         guard.close()
+    crowded = None
+    if args.crowd > 0 and args.backend == "local" and not args.child:
+        crowded = part_crowded(args, keys, region)
     if args.child or args.procs <= 1:
         sched = part_scheduler(args) if with_sched else None
     if args.child:
@@ -413,7 +481,8 @@ def main() -> None:
         if "per_round" in r:  # one process: its own rounds, split by level as the processes' are
             r["ratio_by_level"] = _by_level([r])
             del r["per_round"]
-    out = {"rows": rows, "scheduler": sched, "holes": holes, "env_before": env0, "env_after": env_info(),
+    out = {"rows": rows, "scheduler": sched, "holes": holes, "crowded": crowded, "env_before": env0,
+           "env_after": env_info(),
            "rounds": args.rounds, "calls": args.calls}
 
     con = Console(width=max(170, Console().width))
@@ -465,6 +534,14 @@ def main() -> None:
                       _fmt(h["gallop_probes"]), _fmt(h["linear_us"]), _fmt(h["gallop_us"]),
                       f"{h['gallop_overcounts']}/{h['trials']}", _fmt(h["overcount_chunks"]))
         con.print(t)
+    if crowded:
+        us = crowded["us"]
+        con.print(
+            f"a crowded pool: the {crowded['tokens']:,}-token prompt's {crowded['keys']} keys among {crowded['crowd']:,} "
+            f"other objects; warm: raw exists {_fmt(us['raw'])} us, lookup {_fmt(us['scan'])} us, ratio "
+            f"{_fmt(crowded['ratio'], 2)}; cold (after writing {crowded['evict_mib']} MiB): raw exists "
+            f"{_fmt(us['raw cold'])} us, lookup {_fmt(us['scan cold'])} us, ratio {_fmt(crowded['ratio_cold'], 2)}"
+        )
     con.print(env_line(env0, out["env_after"]))
     if args.json:
         with open(args.json, "w") as f:

@@ -297,3 +297,39 @@ def test_a_repeated_scan_still_leaves_the_prompt_in_lru_order_after_other_reads(
     store(be, ["other"])
     st = be.exists(keys, T)
     assert st[:7] == [Status.OK] * 7 and st[7] is Status.NOT_FOUND  # the tail went (not chunk 6)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_crowded_pool_answers_every_probe_exactly(make_pool, seed):
+    """Probes look ahead (the buckets and chain heads of keys 8 and 16 further on are
+    asked for early). In a pool crowded with others' objects, whose buckets hold
+    chains, the scan, the pinning scan, its unpin and the batched exists must still
+    answer exactly what was stored, at every length around the look-ahead and the
+    scan's blocks (16, 64, 256 chunks)."""
+    be = make_pool(capacity=16 * MiB, max_keys=4096)  # 4096 pages, a small bucket table: chains
+    rng = random.Random(seed)
+    prefixes = [f"c{seed}@{r}@" for r in range(rng.choice([1, 3]))]
+    n = 1100 // len(prefixes)
+    raw = [rng.randbytes(32) for _ in range(n)]
+    hexes = [h.hex() for h in raw]
+    mine = [p + h for h in hexes for p in prefixes]
+    others = [f"other-{seed}-{i}-{uuid.uuid4().hex}" for i in range(4096 - len(mine) - 8)]
+    everything = mine + others
+    rng.shuffle(everything)  # the prompt's entries scattered among the others'
+    for i in range(0, len(everything), 512):
+        store(be, everything[i : i + 512])
+    for cut in (n, 0, 1, 7, 8, 9, 15, 16, 17, 24, 63, 64, 80, 255, 256, 257, n - 1, *rng.sample(range(n), 6)):
+        if cut < n:  # one object of chunk ``cut`` gone: the run is ``cut`` chunks
+            gone = rng.choice(prefixes) + hexes[cut]
+            assert be.remove([gone], T) == [Status.OK]
+        st = be.exists(mine, T)
+        assert st == [Status.NOT_FOUND if cut < n and k == gone else Status.OK for k in mine]
+        assert by_exists(be, prefixes, hexes) == cut
+        for suffixes in (hexes, raw):
+            assert be.prefix_run(prefixes, suffixes, T)[:2] == (Status.OK, cut)
+        assert be.prefix_run(prefixes, raw, T, lease_s=30.0)[:2] == (Status.OK, cut)
+        assert be.pinned() == cut * len(prefixes)
+        assert be.unpin_run(prefixes, raw, T) is Status.OK
+        assert be.pinned() == 0
+        if cut < n:
+            store(be, [gone])

@@ -13,7 +13,7 @@ def test_bench_lookup_in_two_processes_reports_every_figure(tmp_path):
     out = tmp_path / "lookup.json"
     subprocess.run(
         [sys.executable, str(ROOT / "bench" / "bench_lookup.py"), "--quick", "--procs", "2", "--max-tokens", "16384",
-         "--holes", "0.01", "--json", str(out)],
+         "--holes", "0.01", "--crowd", "3000", "--evict-mib", "8", "--json", str(out)],
         capture_output=True, text=True, timeout=300, check=True,
     )
     res = json.loads(out.read_text())
@@ -31,3 +31,9 @@ def test_bench_lookup_in_two_processes_reports_every_figure(tmp_path):
     lv = s["ratio_by_level"]
     assert lv["rounds"]["fast"] == 0 or "ratio_first_native" in lv["fast"]  # (a level without rounds is left out)
     assert len(res["holes"]) == 1
+    c = res["crowded"]
+    assert (c["tokens"], c["keys"], c["crowd"], c["evict_mib"]) == (16384, 128, 3000, 8)
+    for name in ("raw", "scan", "raw cold", "scan cold"):
+        assert 0 < c["us"][name]["min"] <= c["us"][name]["median"] <= c["us"][name]["max"], name
+    for name in ("ratio", "ratio_cold"):
+        assert c[name]["n"] == 3 and c[name]["median"] > 0, name  # (--quick: three rounds)
