@@ -846,8 +846,8 @@ static uint32_t find(Pool *p, const char *key, uint32_t klen, uint64_t hash) {
  * PROBE_NEAR, whose bucket was asked for PROBE_FAR - PROBE_NEAR keys before. In a
  * pool larger than the caches a probe is two misses to memory, the second waiting
  * on the first, and a loop of probes paid them one after the other; this way the
- * misses of ~16 keys overlap (docs/benchmarking.md: the scan of a 128k prompt's
- * 1024 chunks among 200k objects, cold caches, 0.69-0.75 ms -> 0.37-0.41). Hints
+ * misses of ~16 keys overlap (docs/benchmarking.md: a 128k prompt's lookup among
+ * 200k objects, cold caches, 0.69-0.84 ms -> 0.44-0.47). Hints
  * only: no answer depends on them, and a prefetch cannot fault. Lock held.
  * (always_inline: gcc takes a function that only prefetches for one without
  * effects, and drops its calls before it would inline it.) */
