@@ -436,7 +436,7 @@ def main() -> None:
     ap.add_argument("--holes", type=float, nargs="*", default=[0.0, 0.001, 0.01, 0.05])
     ap.add_argument("--hole-trials", type=int, default=8)
     ap.add_argument("--crowd", type=int, default=200_000,
-                    help="part 4: other objects beside the 128k prompt's chunks (local backend; 0: skip the part)")
+                    help="part 4: other objects beside the longest prompt's chunks (local backend; 0: skip the part)")
     ap.add_argument("--evict-mib", type=int, default=64, help="part 4: memory written before each cold call")
     ap.add_argument("--procs", type=int, default=0, help="fresh processes for the prompt rows (0: 9, --quick: 1)")
     ap.add_argument("--quick", action="store_true", help="fewer rounds and calls")
