@@ -3445,11 +3445,12 @@ static PyObject *Pool_prefix_run(Pool *p, PyObject *args) {
                 block *= 4;
                 if ((st = pool_lock(p, deadline))) break;
                 /* (the keys not probed yet, chunk-major: the run so far hit every one) */
-                uint64_t *todo = hashes + (size_t)hits * q.np;
-                size_t ntodo = (size_t)(hashed - (uint32_t)hits) * q.np;
+                Py_ssize_t from = hits;
+                uint64_t *todo = hashes + (size_t)from * q.np;
+                size_t ntodo = (size_t)(hashed - (uint32_t)from) * q.np;
 #define TODO_HASH(k) (todo[k])
                 while ((uint32_t)hits < hashed) {
-                    for (size_t k = (size_t)hits * q.np - (todo - hashes), e = k + q.np; k < e; k++)
+                    for (size_t k = (size_t)(hits - from) * q.np, e = k + q.np; k < e; k++)
                         PROBE_AHEAD(p, k, ntodo, TODO_HASH);
                     probes++;
                     if (!chunk_present(p, &q, (uint32_t)hits, hashes + (size_t)hits * q.np, seen, &nseen)) break;
