@@ -390,6 +390,48 @@ def test_sigkill_mid_spill_keeps_the_object_in_dram(pool_opts, tmp_path):
         be.destroy()
 
 
+
+@pytest.mark.parametrize("grown", [False, True], ids=["scanned", "scanned-then-grown"])
+def test_a_rebuild_after_a_death_in_the_lock_keeps_a_scanned_prompt_in_prompt_order(pool_opts, grown):
+    """A rebuild orders the LRU list by each entry's tick. A prefix scan leaves a
+    prompt's chunks opening the list, chunk 0 first, with ticks that read in that
+    order too: after a death in the lock, eviction must still take every other
+    object first and the prompt from its tail. ``grown``: the prompt scanned
+    again with more chunks, its first 30 already in place at the head."""
+    pool_opts.update(capacity=512 * 4 * KiB, page_size=4 * KiB, max_keys=4096)
+    be = open_pool(pool_opts)
+    try:
+        one = np.arange(64, dtype=np.uint8)
+        region = [Region(one.ctypes.data, 64)]
+        hooks = be.test_hooks()
+
+        def store(keys):
+            assert be.put(keys, [region] * len(keys), T) == [OK] * len(keys)
+
+        hexes = [f"{i:04x}" for i in range(40)]
+        mine = ["p@" + h for h in hexes]
+        others = [f"other-{i}" for i in range(512 - len(mine))]
+        store(mine)  # chunk 0 the oldest, then the others: all newer than the prompt
+        store(others)
+        if grown:
+            assert be.prefix_run(["p@"], hexes[:30], T)[:2] == (OK, 30)
+        assert be.prefix_run(["p@"], hexes, T)[:2] == (OK, 40)  # the prompt to the head, chunk 0 first
+        p = run(child_hold_lock, pool_opts)
+        wait_for(lambda: hooks.holder() == p.pid)
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(30)
+        assert hooks.check() == ""  # the first locker rebuilt the lists, by tick
+        assert be.stats()["lock_recoveries"] == 1
+        assert be.put([f"n-{i}" for i in range(len(others))], [region] * len(others), T) == [OK] * len(others)
+        assert all(hooks.pages(mine)), "the rebuild put a chunk of the prompt behind the others"
+        went = []
+        for i in range(3):
+            store([f"m-{i}"])
+            went += [k for k, pg in zip(mine, hooks.pages(mine), strict=True) if not pg and k not in went]
+        assert went == mine[::-1][:3]  # the prompt's tail first
+    finally:
+        be.destroy()
+
 def test_a_rebuild_after_a_death_in_the_lock_keeps_clean_disk_copies_right(pool_opts, tmp_path):
     # after the rebuild, a promoted object still goes back to its disk copy (nothing written),
     # one overwritten after its promotion does not, and both read back exact

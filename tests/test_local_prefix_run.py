@@ -333,3 +333,87 @@ def test_a_crowded_pool_answers_every_probe_exactly(make_pool, seed):
         assert be.pinned() == 0
         if cut < n:
             store(be, [gone])
+
+
+def held(be: LocalBackend, keys: list[str]) -> list[bool]:
+    """Which keys are in DRAM, read without an LRU touch (exists would move them)."""
+    return [bool(p) for p in be.test_hooks().pages(keys)]
+
+
+def lru_tail_order(be: LocalBackend, keys: list[str], newcomers: int) -> list[str]:
+    """The order in which eviction takes ``keys`` from a full pool of one-page
+    objects: ``newcomers`` new objects put at once, then one at a time."""
+    store(be, [f"newcomer-{uuid.uuid4().hex}" for _ in range(newcomers)])
+    left = [k for k, h in zip(keys, held(be, keys), strict=True) if h]
+    order = [k for k in keys if k not in set(left)]
+    while left:
+        store(be, [f"newcomer-{uuid.uuid4().hex}"])
+        now = [k for k, h in zip(left, held(be, left), strict=True) if h]
+        order += [k for k in left if k not in set(now)]
+        left = now
+    return order
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_scan_of_scattered_chunks_leaves_them_in_prompt_order(make_pool, seed):
+    """Wherever a prompt's entries were in the LRU list, scattered among others'
+    (neighbours anyone's), a scan across the blocks it drops the lock between
+    (16, 64, ... chunks) leaves them opening the list in prompt order: eviction
+    must then take every other object first and the prompt from its tail, last
+    key of the last chunk first; the lists stay whole (``check`` walks them)."""
+    rng = random.Random(seed)
+    nchunks, prefixes = [(40, ["a@"]), (90, ["a@", "b@"]), (20, ["a@", "b@", "c@"])][seed % 3]
+    room = 512  # 4 KiB pages of a 2 MiB pool, one per object
+    be = make_pool(capacity=room * 4 * KiB, max_keys=4096)
+    hexes = [rng.randbytes(8).hex() for _ in range(nchunks)]
+    mine = [p + h for h in hexes for p in prefixes]
+    others = [f"other-{i}" for i in range(room - len(mine))]
+    everything = mine + others
+    rng.shuffle(everything)
+    store(be, everything)
+    assert all(held(be, everything))  # full, nothing evicted yet
+    # read in a random order, mine between others': their LRU neighbours are anyone's
+    rng.shuffle(everything)
+    assert be.exists(everything, T) == [Status.OK] * room
+    if seed >= 3:  # part of the run in place already (chunks 0-9 at the head, in order)
+        assert be.exists(mine[: 10 * len(prefixes)][::-1], T) == [Status.OK] * 10 * len(prefixes)
+    assert be.prefix_run(prefixes, hexes, T)[:2] == (Status.OK, nchunks)
+    assert be.test_hooks().check() == ""
+    order = lru_tail_order(be, others + mine, len(others))
+    assert set(order[: len(others)]) == set(others), "a chunk of the prompt went before the others"
+    assert order[len(others) :] == mine[::-1], "the prompt's chunks were not in prompt order"
+    assert be.test_hooks().check() == ""
+
+
+@pytest.mark.parametrize("what", ["removed", "replaced", "read"])
+def test_an_entry_changing_between_a_scans_blocks_leaves_the_lists_whole(make_pool, what):
+    """Between blocks the lock is dropped, and an entry the scan found in an
+    earlier block (chunk 15's) may change: removed, its entry reused by another
+    object, or read (moved to the head). Whatever the scan's LRU touch then does
+    with it, the lists must stay whole (``check`` walks them) and keep working."""
+    import threading
+
+    be = make_pool(capacity=512 * 4 * KiB, max_keys=4096)
+    hexes = [f"{i:04x}" for i in range(48)]
+    keys = ["r@" + h for h in hexes]
+    store(be, keys)
+    store(be, [f"other-{i}" for i in range(100)])
+    be.test_hooks().stall_scans(0.3)
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(be.prefix_run(["r@"], hexes, T)))
+    t.start()
+    time.sleep(0.1)  # the scan found chunks 0-15 and waits before the next block
+    if what == "read":
+        assert be.exists([keys[15]], T) == [Status.OK]
+    else:
+        assert be.remove([keys[15]], T) == [Status.OK]
+        if what == "replaced":
+            store(be, ["newcomer"])  # takes the freed entry
+    t.join()
+    be.test_hooks().stall_scans(0)
+    assert got[0][0] is Status.OK
+    assert be.test_hooks().check() == ""
+    # and the lists keep working: newcomers evict everything before them in turn
+    for i in range(6):
+        store(be, [f"later-{i}-{j}" for j in range(100)])
+    assert not any(held(be, keys)) and be.test_hooks().check() == ""

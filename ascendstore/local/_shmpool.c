@@ -3764,9 +3764,17 @@ static PyObject *Pool_check(Pool *p, PyObject *args) {
         if (nd != h->n_disk) PROBLEM("disk %u != counter %u; ", nd, h->n_disk);
         if (rp != h->reserved_pages) PROBLEM("reserved pages %u != counter %u; ", rp, h->reserved_pages);
         if (used != h->entries_used) PROBLEM("entries %u != counter %u; ", used, h->entries_used);
-        uint32_t cnt = 0;
-        for (uint32_t i = h->lru_head; i != NONE32 && cnt <= h->max_keys; i = E[i].next) cnt++;
+        uint32_t cnt = 0, last = NONE32;
+        int lru_links = 0;
+        for (uint32_t i = h->lru_head; i != NONE32 && cnt <= h->max_keys; last = i, i = E[i].next) {
+            cnt++;
+            if (!lru_links && (E[i].prev != last || E[i].state != E_LIVE)) {
+                PROBLEM("lru list broken at %u (back link %u, want %u; state %u); ", i, E[i].prev, last, E[i].state);
+                lru_links = 1;
+            }
+        }
         if (cnt != nl) PROBLEM("lru length %u != live %u; ", cnt, nl);
+        if (cnt <= h->max_keys && h->lru_tail != last) PROBLEM("lru tail %u != last %u; ", h->lru_tail, last);
         cnt = 0;
         int disorder = 0, dropped = 0;
         for (uint32_t i = h->disk_head, prev = NONE32; i != NONE32 && cnt <= h->max_keys; prev = i, i = E[i].dnext) {
