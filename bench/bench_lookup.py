@@ -36,7 +36,9 @@ median of ``--calls`` calls, ratios per round:
    tables larger than the caches; the scan (``prefix_hits``) and the raw
    exists of its keys, each called warm (back to back) and cold (after writing
    ``--evict-mib`` of other memory, which evicts them from the caches: a
-   scheduler step between two lookups does much the same), all four
+   scheduler step between two lookups does much the same), and the backend's
+   native scan inside the lookup timed alone (``native``, warm and cold), so
+   what the Python around it costs, warm and cold, shows beside it; all six
    interleaved round by round. Parts 1 and 2 store only the prompt's chunks,
    one after the other: their entries sit side by side, which flatters a
    lookup.
@@ -200,9 +202,16 @@ def part_crowded(args, keys: KeyBuilder, region) -> dict:  # type: ignore[no-unt
         def lookup() -> object:
             return scan.prefix_hits(tenant, hs)
 
+        native_scan, prefixes = scan._scan, scan._tenant_prefixes(tenant)
+        assert native_scan is not None
+
+        def native() -> object:  # the lookup's one backend call, with its arguments
+            return native_scan(prefixes, hs, 5.0, gallop=False)
+
         cases: dict[str, Callable[[], float]] = {
             "raw": lambda: timed(raw, False), "scan": lambda: timed(lookup, False),
             "raw cold": lambda: timed(raw, True), "scan cold": lambda: timed(lookup, True),
+            "native": lambda: timed(native, False), "native cold": lambda: timed(native, True),
         }
         s = interleave(cases, args.rounds)
         return {
@@ -210,6 +219,8 @@ def part_crowded(args, keys: KeyBuilder, region) -> dict:  # type: ignore[no-unt
             "us": {k: stat(v).as_dict() for k, v in s.items()},
             "ratio": ratios(s["scan"], s["raw"]).as_dict(),
             "ratio_cold": ratios(s["scan cold"], s["raw cold"]).as_dict(),
+            "ratio_native": ratios(s["native"], s["raw"]).as_dict(),
+            "ratio_native_cold": ratios(s["native cold"], s["raw cold"]).as_dict(),
         }
     finally:
         guard.close()
@@ -541,6 +552,11 @@ def main() -> None:
             f"other objects; warm: raw exists {_fmt(us['raw'])} us, lookup {_fmt(us['scan'])} us, ratio "
             f"{_fmt(crowded['ratio'], 2)}; cold (after writing {crowded['evict_mib']} MiB): raw exists "
             f"{_fmt(us['raw cold'])} us, lookup {_fmt(us['scan cold'])} us, ratio {_fmt(crowded['ratio_cold'], 2)}"
+        )
+        con.print(
+            f"  of which the backend's native scan: warm {_fmt(us['native'])} us, ratio "
+            f"{_fmt(crowded['ratio_native'], 2)}; cold {_fmt(us['native cold'])} us, ratio "
+            f"{_fmt(crowded['ratio_native_cold'], 2)}: the rest is the Python around it"
         )
     con.print(env_line(env0, out["env_after"]))
     if args.json:

@@ -33,7 +33,7 @@ def test_bench_lookup_in_two_processes_reports_every_figure(tmp_path):
     assert len(res["holes"]) == 1
     c = res["crowded"]
     assert (c["tokens"], c["keys"], c["crowd"], c["evict_mib"]) == (16384, 128, 3000, 8)
-    for name in ("raw", "scan", "raw cold", "scan cold"):
+    for name in ("raw", "scan", "raw cold", "scan cold", "native", "native cold"):
         assert 0 < c["us"][name]["min"] <= c["us"][name]["median"] <= c["us"][name]["max"], name
-    for name in ("ratio", "ratio_cold"):
+    for name in ("ratio", "ratio_cold", "ratio_native", "ratio_native_cold"):
         assert c[name]["n"] == 3 and c[name]["median"] > 0, name  # (--quick: three rounds)
