@@ -390,7 +390,6 @@ def test_sigkill_mid_spill_keeps_the_object_in_dram(pool_opts, tmp_path):
         be.destroy()
 
 
-
 @pytest.mark.parametrize("grown", [False, True], ids=["scanned", "scanned-then-grown"])
 def test_a_rebuild_after_a_death_in_the_lock_keeps_a_scanned_prompt_in_prompt_order(pool_opts, grown):
     """A rebuild orders the LRU list by each entry's tick. A prefix scan leaves a
@@ -431,6 +430,7 @@ def test_a_rebuild_after_a_death_in_the_lock_keeps_a_scanned_prompt_in_prompt_or
         assert went == mine[::-1][:3]  # the prompt's tail first
     finally:
         be.destroy()
+
 
 def test_a_rebuild_after_a_death_in_the_lock_keeps_clean_disk_copies_right(pool_opts, tmp_path):
     # after the rebuild, a promoted object still goes back to its disk copy (nothing written),
