@@ -344,13 +344,15 @@ def lru_tail_order(be: LocalBackend, keys: list[str], newcomers: int) -> list[st
     """The order in which eviction takes ``keys`` from a full pool of one-page
     objects: ``newcomers`` new objects put at once, then one at a time."""
     store(be, [f"newcomer-{uuid.uuid4().hex}" for _ in range(newcomers)])
-    left = [k for k, h in zip(keys, held(be, keys), strict=True) if h]
-    order = [k for k in keys if k not in set(left)]
+    order: list[str] = []
+    left = keys
     while left:
-        store(be, [f"newcomer-{uuid.uuid4().hex}"])
         now = [k for k, h in zip(left, held(be, left), strict=True) if h]
-        order += [k for k in left if k not in set(now)]
+        kept = set(now)
+        order += [k for k in left if k not in kept]
         left = now
+        if left:
+            store(be, [f"newcomer-{uuid.uuid4().hex}"])
     return order
 
 
