@@ -88,17 +88,22 @@ def test_a_pool_in_this_process_is_found_in_its_own_smaps():
 def test_a_large_pool_in_small_pages_says_at_start_up_how_to_get_huge_ones(monkeypatch, caplog):
     import ascendstore.local.backend as local_backend
 
-    def opened(huge: str, capacity: str) -> list[str]:
+    def opened(huge: str, capacity: str, **kw) -> list[str]:
         monkeypatch.setattr(local_backend, "tmpfs_huge", lambda path: huge)
         caplog.clear()
         with caplog.at_level("INFO", logger="ascendstore.local.backend"):
-            be = LocalBackend.create(LocalOptions(name=f"pg-{uuid.uuid4().hex[:8]}", capacity=capacity),
+            be = LocalBackend.create(LocalOptions(name=f"pg-{uuid.uuid4().hex[:8]}", capacity=capacity, **kw),
                                      BackendContext())
+            filler = be.huge_page_filler
             be.close()
+        assert (filler is not None) == (huge == "never" and capacity == "1GiB" and kw.get("lazy_huge_pages", True))
         return [r.getMessage() for r in caplog.records if "4 KiB pages" in r.getMessage()]
 
-    (hint,) = opened("never", "1GiB")  # sparse: nothing is touched but the index
+    # sparse: nothing is touched but the index
+    (hint,) = opened("never", "1GiB", lazy_huge_pages=False)
     assert "mount -o remount,huge=advise /dev/shm" in hint and "hugetlbfs" in hint
+    assert "lazy_huge_pages: true" in hint
+    assert opened("never", "1GiB") == []  # its creator makes 2 MiB pages as it fills (test_local_hugefill.py)
     assert opened("advise", "1GiB") == []  # huge pages granted: nothing to say
     assert opened("never", "64MiB") == []  # a small pool: not worth a line
 
@@ -187,7 +192,7 @@ def test_attaching_maps_only_pages_the_segment_holds(tmp_path):
 def test_a_pool_whose_pages_scattered_says_so_at_start_up(monkeypatch, caplog):
     import ascendstore.local.backend as local_backend
 
-    def warned(share: float | None) -> list[str]:
+    def warned(share: float | None, lazy: bool = False) -> list[str]:
         # a pool in 4 KiB pages whose frames read ``share`` (a fragmented host: docs/local-backend.md)
         monkeypatch.setattr(local_backend, "dram_pages",
                             lambda path, on_hugetlbfs: DramPages("small", path, "never", 8 << 20, 0, share))
@@ -195,14 +200,16 @@ def test_a_pool_whose_pages_scattered_says_so_at_start_up(monkeypatch, caplog):
         monkeypatch.setattr(local_backend, "_PAGE_HINT_BYTES", 4 << 20)
         caplog.clear()
         with caplog.at_level("WARNING", logger="ascendstore.local.backend"):
-            be = LocalBackend.create(LocalOptions(name=f"pg-{uuid.uuid4().hex[:8]}", capacity="8MiB"),
-                                     BackendContext())
+            be = LocalBackend.create(LocalOptions(name=f"pg-{uuid.uuid4().hex[:8]}", capacity="8MiB",
+                                                  lazy_huge_pages=lazy), BackendContext())
             be.destroy()
         return [r.getMessage() for r in caplog.records if "2 MiB frame" in r.getMessage()]
 
     (line,) = warned(0.05)
     assert "0.05" in line and "compact_memory" in line and "huge pages" in line
     assert warned(0.9) == [] and warned(None) == []
+    # the creator's thread makes the pool 2 MiB pages as it fills: what it holds now says nothing
+    assert warned(0.05, lazy=True) == []
 
 
 def test_frame_numbers_are_seen_by_root_only(tmp_path):

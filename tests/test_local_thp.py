@@ -139,3 +139,98 @@ def test_a_prefaulted_pool_on_a_tmpfs_mounted_huge_never_collapses_into_huge_pag
         assert other["sha"] == r["written"] and other["kind"] == "thp" and other["huge"] >= 2 * MiB, other
     else:
         assert not r["collapsed"] and r["kind"] == "small" and r["huge"] == 0, r
+
+
+#: a 1 GiB pool, not prefaulted: its creator puts objects of random bytes while its
+#: thread makes 2 MiB pages ahead of the fill, and a second process attached to it puts
+#: objects of its own at the same time; every object is then read back in both
+_LAZY_PROGRAM = textwrap.dedent("""
+    import hashlib, json, subprocess, sys
+    import numpy as np
+    from ascendstore.contract import BackendContext, Region, Status
+    from ascendstore.local.backend import LocalBackend
+    from ascendstore.local.options import LocalOptions
+
+    role, lazy = sys.argv[1], sys.argv[2] == "lazy"
+    be = LocalBackend.create(LocalOptions(name="thp-lazy", capacity="1GiB", lazy_huge_pages=lazy),
+                             BackendContext())
+    sizes = [64 << 10, 192 << 10, 4 << 20, 1 << 20]  # whole pages and objects that span stretches
+
+    def objects(seed, n):
+        rng = np.random.default_rng(seed)
+        return {{f"{{seed}}/{{i}}": rng.integers(0, 256, sizes[i % 4], dtype=np.uint8) for i in range(n)}}
+
+    def put_all(objs):
+        for k, v in objs.items():
+            assert be.put([k], [[Region(v.ctypes.data, v.size)]], 5.0) == [Status.OK], k
+
+    def read_all(objs):
+        bad = []
+        for k, v in objs.items():
+            out = np.empty_like(v)
+            st = be.get([k], [[Region(out.ctypes.data, out.size)]], 5.0)
+            if st != [Status.OK] or not np.array_equal(out, v):
+                bad.append((k, st[0].name))
+        return bad
+
+    mine = objects(1 if role == "create" else 2, {n})
+    if role == "create":
+        other = subprocess.Popen([sys.executable, __file__, "attach", sys.argv[2]], stdout=subprocess.PIPE, text=True)
+        put_all(mine)
+        attached = json.loads(other.communicate(timeout=120)[0])
+        filler = be.huge_page_filler
+        caught_up = filler.caught_up(60.0) if filler is not None else None
+        p = be.dram_pages()
+        out = dict(bad=read_all(mine) + read_all(objects(2, {n})), attached=attached, caught_up=caught_up,
+                   made=filler.made if filler is not None else 0, collapsed=be._pool.collapsed, kind=p.kind,
+                   resident=p.resident_bytes, huge=p.huge_bytes, text=p.describe(),
+                   segment=be.stats()["shm_resident_bytes"])
+        print(json.dumps(out))
+    else:
+        put_all(mine)
+        print(json.dumps(dict(bad=read_all(mine), filler=be.huge_page_filler is not None)))
+    be.close()
+""")
+
+
+def _run_lazy(tmp_path, lazy: bool, n: int = 60) -> dict:
+    prog = tmp_path / "thp_lazy_program.py"
+    prog.write_text(_LAZY_PROGRAM.format(n=n))
+    shell = (
+        "mount -t tmpfs -o huge=never,size=2G tmpfs /dev/shm && "
+        f"exec {sys.executable} {prog} create {'lazy' if lazy else 'off'}"
+    )
+    out = subprocess.run(["unshare", "-m", "sh", "-c", shell], capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _collapse_works(tmp_path) -> bool:
+    return _run("never", tmp_path)["collapse_works"]
+
+
+def test_a_pool_not_prefaulted_is_made_2_mib_pages_as_it_fills_and_every_byte_stays(tmp_path):
+    """lazy_huge_pages (the default): the creator's thread has the kernel make 2 MiB
+    pages just ahead of the fill while the creator and an attached process put objects;
+    every object reads back exact in both, the pool holds little more than it uses (the
+    thread does not commit the capacity), and most of it is in 2 MiB pages."""
+    r = _run_lazy(tmp_path, lazy=True)
+    assert r["bad"] == [] and r["attached"]["bad"] == [], r
+    assert not r["attached"]["filler"]  # only the creator's thread makes pages
+    mib = 1 << 20
+    used = 2 * 60 * (64 + 192 + 4096 + 1024) // 4 * 1024  # both processes' objects, in bytes
+    assert r["segment"] < used + 64 * mib, r  # a 1 GiB pool: memory still taken as used
+    if _collapse_works(tmp_path):
+        assert r["caught_up"] and r["made"] >= used // (2 * mib) // 2 and r["collapsed"], r
+        assert r["kind"] == "thp" and r["huge"] >= r["resident"] * 3 // 4, r
+        assert "MADV_COLLAPSE" in r["text"], r["text"]
+    else:
+        assert r["kind"] == "small" and r["huge"] == 0, r
+
+
+def test_lazy_huge_pages_off_leaves_a_pool_in_4_kib_pages(tmp_path):
+    r = _run_lazy(tmp_path, lazy=False, n=12)
+    assert r["bad"] == [] and r["attached"]["bad"] == [], r
+    assert r["caught_up"] is None and r["made"] == 0 and not r["collapsed"], r
+    assert r["kind"] == "small" and r["huge"] == 0, r

@@ -180,6 +180,8 @@ typedef struct Pool {
     char huge_dir[128];  /* a hugetlbfs mount holding the segment, or "" for a /dev/shm object */
     uint64_t huge_page;  /* that mount's page size (0: /dev/shm) */
     int collapsed;       /* this process created the pool and MADV_COLLAPSE put its arena in 2 MiB pages */
+    int created;         /* this process created the pool's segment */
+    uint64_t fill_cursor; /* collapse_step: arena bytes below this were looked at (creator only) */
     int lock_fd;         /* this handle's own open of it (its own OFD: its own locks) */
     struct Pool *all_next, *all_prev; /* every open handle, to drop inherited lock fds after fork */
     int slot;
@@ -2493,6 +2495,85 @@ static void prefault_arena(Pool *p) {
     for (size_t o = 0; o < len; o += 4096) ((volatile uint8_t *)arena)[o] = 0;
 }
 
+/* ------------------------------------------------------------------ 2 MiB pages as the pool fills
+ *
+ * collapse_step(n) -> (stretches made 2 MiB pages, cursor in bytes, state)
+ *
+ * A pool that is not prefaulted fills in 4 KiB pages as puts first touch them,
+ * on a /dev/shm mounted huge=never (the usual mount): scattered over physical
+ * memory where the host's free memory is fragmented, and 512x the page-table
+ * entries. Its creator's thread (LocalBackend) calls this to have the kernel make
+ * each 2 MiB stretch of the arena one 2 MiB page (MADV_COLLAPSE, as prefault_arena
+ * does at creation) just before the pool's fill reaches it, off the puts' path.
+ *
+ * The arena fills upward: pages are handed out from the free list, which starts
+ * in page order and takes freed pages back at its head, so pages above the
+ * highest one ever handed out are untouched. The cursor walks the stretches in
+ * order, up to n of them a call; a stretch is taken when some page of it is in
+ * memory (mincore: some process touched it) or it lies within the pages in use
+ * plus one stretch ahead (so the next puts land in a 2 MiB page, not in 4 KiB
+ * ones to be collapsed later). Stretches it made are not counted as use, so the
+ * cursor never runs ahead of the pool by more than that one stretch.
+ *
+ * Safe beside puts and gets of any process: the kernel copies a stretch's pages
+ * into the new page with them locked and unmapped, so a concurrent access waits
+ * for it and sees the same bytes. Nothing is written: the page the kernel needs
+ * present is faulted in with MADV_POPULATE_WRITE, which leaves data as it is.
+ *
+ * state: 0 caught up with the fill (call again later), 1 the whole arena was
+ * looked at, -1 nothing to do here (not the creator, hugetlbfs, an arena not on a
+ * 2 MiB boundary) or the kernel refuses (EINVAL: before Linux 6.1, shmem_enabled
+ * deny), 2 closed. A stretch the kernel could not make (no free 2 MiB block:
+ * EAGAIN, ENOMEM) stays in 4 KiB pages and is passed over. */
+static int stretch_in_memory(uint8_t *s) {
+    unsigned char vec[HUGE_2M / 4096];
+    if (mincore(s, HUGE_2M, vec) != 0) return 1; /* cannot tell: as if used */
+    for (size_t k = 0; k < sizeof vec; k++)
+        if (vec[k] & 1) return 1;
+    return 0;
+}
+
+static PyObject *Pool_collapse_step(Pool *p, PyObject *args) {
+    int n;
+    if (!PyArg_ParseTuple(args, "i", &n)) return NULL;
+    if (enter(p) < 0) return Py_BuildValue("(iKi)", 0, 0ULL, 2);
+    int made = 0, state = 0;
+    uint8_t *arena = ARENA(p);
+    uint64_t P = p->h->page_size, len = (uint64_t)p->h->n_pages * P;
+    uint64_t whole = ((uintptr_t)arena % HUGE_2M) ? 0 : len / HUGE_2M * HUGE_2M;
+    if (!p->created || p->huge_page || !whole || p->pid != getpid()) {
+        leave(p);
+        return Py_BuildValue("(iKi)", 0, (unsigned long long)p->fill_cursor, -1);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    while (made < n) {
+        if (atomic_load(&p->closed)) {
+            state = 2;
+            break;
+        }
+        uint64_t at = p->fill_cursor;
+        if (at >= whole) {
+            state = 1;
+            break;
+        }
+        /* pages handed out now (a racy read: a hint only, the next call reads it again) */
+        uint64_t in_use = (uint64_t)(p->h->n_pages - __atomic_load_n(&p->h->free_pages, __ATOMIC_RELAXED)) * P;
+        uint8_t *s = arena + at;
+        if (at >= in_use + HUGE_2M && !stretch_in_memory(s)) break; /* caught up */
+        if (madvise(s, 4096, MADV_POPULATE_WRITE) == 0 && madvise(s, HUGE_2M, MADV_COLLAPSE) == 0) {
+            made++;
+            p->collapsed = 1;
+        } else if (errno == EINVAL) {
+            state = -1;
+            break;
+        }
+        p->fill_cursor = at + HUGE_2M;
+    }
+    Py_END_ALLOW_THREADS
+    leave(p);
+    return Py_BuildValue("(iKi)", made, (unsigned long long)p->fill_cursor, state);
+}
+
 /* The segment's file: a POSIX shm object (/dev/shm: 4 KiB pages unless that tmpfs is
  * mounted with huge=, see pool_open) or a file of the same name on a hugetlbfs mount. */
 static void arena_path(const Pool *p, char *out, size_t n) {
@@ -2669,6 +2750,7 @@ static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int
             init_shared(p, g, p->shm_name + 1);
             disk_files_remove_leftovers(h);
             if (prefault) prefault_arena(p);
+            p->created = 1;
             atomic_store_explicit(&h->ready, 1, memory_order_release);
             close(fd); /* releases the init lock */
         } else if (h->magic != POOL_MAGIC || h->layout != POOL_LAYOUT || h->total_size != msize) {
@@ -2865,6 +2947,8 @@ static int Pool_init(Pool *p, PyObject *args, PyObject *kw) {
     p->huge_dir[0] = 0;
     p->huge_page = 0;
     p->collapsed = 0;
+    p->created = 0;
+    p->fill_cursor = 0;
     if (huge && huge[0]) {
         struct statfs fs;
         if (strlen(huge) >= sizeof p->huge_dir) {
@@ -4010,6 +4094,7 @@ static PyObject *Pool_close(Pool *p, PyObject *args) {
 
 static PyObject *Pool_get_shm_name(Pool *p, void *c) { return PyUnicode_FromString(p->shm_name); }
 static PyObject *Pool_get_collapsed(Pool *p, void *c) { return PyBool_FromLong(p->collapsed); }
+static PyObject *Pool_get_created(Pool *p, void *c) { return PyBool_FromLong(p->created); }
 static PyObject *Pool_get_closed(Pool *p, void *c) { return PyBool_FromLong(atomic_load(&p->closed) || !p->h); }
 
 static PyMethodDef Pool_methods[] = {
@@ -4024,6 +4109,9 @@ static PyMethodDef Pool_methods[] = {
     {"remove", (PyCFunction)Pool_remove, METH_VARARGS, "remove(keys, timeout_s) -> [Status]"},
     {"scan", (PyCFunction)Pool_scan, METH_VARARGS,
      "scan(prefix, remove, limit, timeout_s) -> (Status, count | [keys])"},
+    {"collapse_step", (PyCFunction)Pool_collapse_step, METH_VARARGS,
+     "collapse_step(n) -> (stretches made 2 MiB pages, cursor bytes, state 0 caught up / 1 done / -1 not here "
+     "or refused / 2 closed): the creator's 2 MiB pages as the pool fills (MADV_COLLAPSE)"},
     {"prefix_run", (PyCFunction)Pool_prefix_run, METH_VARARGS,
      "prefix_run(prefixes, suffixes, gallop, timeout_s, lease_s=0) -> (Status, chunks present from 0, probes);"
      " lease_s > 0 also pins those chunks"},
@@ -4051,6 +4139,7 @@ static PyMethodDef Pool_methods[] = {
 
 static PyGetSetDef Pool_getset[] = {
     {"shm_name", (getter)Pool_get_shm_name, NULL, NULL, NULL},
+    {"created", (getter)Pool_get_created, NULL, NULL, "this process created the pool's segment"},
     {"collapsed", (getter)Pool_get_collapsed, NULL, NULL,
      "this process created the pool and put its arena in 2 MiB pages (MADV_COLLAPSE)"},
     {"closed", (getter)Pool_get_closed, NULL, NULL, NULL},

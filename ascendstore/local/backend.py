@@ -26,6 +26,7 @@ from ascendstore.contract import (
     Status,
 )
 from ascendstore.local import _shmpool
+from ascendstore.local.hugefill import HugePageFiller
 from ascendstore.local.options import LocalOptions
 from ascendstore.local.pages import SCATTERED_BELOW, DramPages, dram_pages, tmpfs_huge
 
@@ -127,6 +128,7 @@ class LocalBackend(Backend):
         self._pool = pool
         self.options = options
         self._ctx = ctx
+        self._filler: HugePageFiller | None = None
         self._caps = Capabilities(
             zero_copy=False,
             layerwise=True,
@@ -180,6 +182,10 @@ class LocalBackend(Backend):
         backend = cls(pool, options, ctx)
         if (options.hugetlbfs is None and options.capacity >= _PAGE_HINT_BYTES and not pool.collapsed
                 and tmpfs_huge("/dev/shm") == "never"):
+            if pool.created and not options.prefault and options.lazy_huge_pages:
+                # 2 MiB pages made as the pool fills, by this process's thread (ascendstore.local.hugefill)
+                backend._filler = HugePageFiller(pool, options.name)
+                return backend
             # What this process maps (an attacher maps in a sample of what the segment
             # holds): a pool its creator had the kernel put in 2 MiB pages reads "thp".
             pages = backend.dram_pages()
@@ -189,10 +195,16 @@ class LocalBackend(Backend):
                     "large gets run ~25%% faster: `mount -o remount,huge=advise /dev/shm`, or set hugetlbfs "
                     "(docs/local-backend.md#huge-pages)", options.name,
                     "; the kernel could not make 2 MiB pages of the whole prefaulted pool" if options.prefault
-                    else "; `prefault: true` has the kernel make 2 MiB pages of it on Linux 6.1+",
+                    else "; its creator makes 2 MiB pages of it as it fills unless `lazy_huge_pages: false`"
+                    if options.lazy_huge_pages else "; `lazy_huge_pages: true` makes 2 MiB pages of it as it fills",
                 )
                 _warn_if_scattered(options.name, pages.frame_share)
         return backend
+
+    @property
+    def huge_page_filler(self) -> HugePageFiller | None:
+        """The thread making 2 MiB pages as the pool fills (its creator's, lazy_huge_pages), or None."""
+        return self._filler
 
     @property
     def capabilities(self) -> Capabilities:
@@ -306,8 +318,14 @@ class LocalBackend(Backend):
 
     def close(self) -> None:
         """Detach; the last process to close (with unlink_on_last_close) frees the pool."""
+        self._stop_filler()
         self._pool.close(False)
 
     def destroy(self) -> None:
         """Remove the pool now for every process (they then get UNAVAILABLE)."""
+        self._stop_filler()
         self._pool.close(True)
+
+    def _stop_filler(self) -> None:
+        if self._filler is not None:
+            self._filler.stop()

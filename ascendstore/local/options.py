@@ -49,6 +49,11 @@ class LocalOptions(BackendOptions):
         False, description="allocate all of the capacity's memory when the pool is created; on /dev/shm in 2 MiB "
         "pages where the kernel makes them (MADV_COLLAPSE, Linux 6.1+), whatever the mount's huge="
     )
+    lazy_huge_pages: Bool = Field(
+        True, description="a pool of 1 GiB or more that is not prefaulted, on a /dev/shm mounted huge=never: its "
+        "creator's thread has the kernel make each 2 MiB stretch one 2 MiB page just before the pool's fill "
+        "reaches it (MADV_COLLAPSE, Linux 6.1+), off the puts' path; memory is still taken as used"
+    )
     hugetlbfs: str | None = Field(
         None,
         description="a hugetlbfs mount (e.g. /dev/hugepages) to hold the DRAM tier in reserved huge pages "
