@@ -111,6 +111,7 @@ lint: setup
 BENCH_COMPACT ?= $(shell test -w /proc/sys/vm/compact_memory && echo 1)
 bench: setup
 	$(PY) bench/bench_local.py $(if $(BENCH_COMPACT),--compact-memory)
+	$(PY) bench/bench_hugefill.py $(if $(BENCH_COMPACT),--compact-memory)
 	$(PY) bench/bench_connector.py
 	$(PY) bench/bench_lookup.py
 	$(PY) bench/bench_mooncake.py

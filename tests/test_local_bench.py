@@ -130,3 +130,27 @@ def test_compact_memory_is_asked_for_and_refused_where_it_cannot_run(monkeypatch
     got = CliRunner().invoke(bench_local.app, ["--compact-memory", "--quick", "--procs", "3", "--json"])
     assert got.exit_code == 0, got.output
     assert compactions == ["1", "1", "1"] and json.loads(got.output)["compact_memory"] is True
+
+
+@pytest.mark.skipif(tmpfs_huge("/dev/shm") != "never", reason="/dev/shm grants huge pages itself: nothing to compare")
+def test_bench_hugefill_quick_reports_every_figure():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_hugefill.py"), "--quick", "--json", "--fill-mib", "32",
+         "--rounds", "2"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    res = json.loads(out.stdout)
+    fill = res["fill"]
+    assert {k: len(v) for k, v in fill.items()} == {"lazy": 1, "off": 1, "prefault": 1}
+    (lazy,), (off,), (pre,) = fill["lazy"], fill["off"], fill["prefault"]
+    for r in (lazy, off, pre):
+        assert r["fill_gbps"] > 0 and r["segment_bytes"] >= 32 << 20 and r["page_table_bytes"] >= 0, r
+    assert lazy["caught_up"] and off["caught_up"] is None and off["huge_bytes"] == 0
+    # the lazy pool takes memory as it fills; the prefaulted one all of its capacity at once
+    assert lazy["segment_bytes"] < 256 << 20 <= 1 << 30 <= pre["segment_bytes"]
+    for size in ("64KiB", "2048KiB"):
+        for op in ("put", "get"):
+            for kind in ("lazy", "off", "prefault"):
+                assert res["speed"][size]["gbps"][f"{op} {kind}"]["median"] > 0
+            for base in ("off", "prefault"):
+                assert res["speed"][size]["ratio"][f"{op} lazy / {base}"]["median"] > 0
