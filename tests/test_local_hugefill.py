@@ -21,7 +21,8 @@ from ascendstore.local.pages import tmpfs_huge
 
 GiB, MiB = 1 << 30, 1 << 20
 
-pytestmark = pytest.mark.skipif(
+#: the tests of real pools: where /dev/shm grants huge pages itself, no pool starts the thread
+needs_huge_never = pytest.mark.skipif(
     tmpfs_huge("/dev/shm") != "never",
     reason="/dev/shm grants huge pages itself here (mounted huge=): no pool needs the thread",
 )
@@ -36,6 +37,7 @@ def _filler_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("ascendstore-hugefill-") and t.is_alive()]
 
 
+@needs_huge_never
 def test_only_the_creator_of_a_large_pool_not_prefaulted_runs_the_thread():
     be = _open(capacity="1GiB")
     try:
@@ -56,6 +58,7 @@ def test_only_the_creator_of_a_large_pool_not_prefaulted_runs_the_thread():
         be.close()
 
 
+@needs_huge_never
 @pytest.mark.parametrize("seed", range(6))
 def test_objects_put_while_the_thread_works_read_back_exact_and_close_ends_it(seed):
     """Puts from two threads race the filler (random sizes and pauses); every
@@ -95,6 +98,7 @@ def test_objects_put_while_the_thread_works_read_back_exact_and_close_ends_it(se
     assert set(_filler_threads()) <= before
 
 
+@needs_huge_never
 def test_a_pool_that_is_dropped_unclosed_ends_its_thread():
     """The thread holds its pool weakly: a backend dropped without close() is freed as
     before, and the thread ends instead of keeping a 1 GiB mapping alive."""
@@ -107,6 +111,7 @@ def test_a_pool_that_is_dropped_unclosed_ends_its_thread():
     assert not filler._thread.is_alive()
 
 
+@needs_huge_never
 def test_only_the_creator_s_handle_makes_pages():
     be = _open(capacity="1GiB")
     other = _open(name=be.options.name, capacity="1GiB")
