@@ -33,7 +33,7 @@ import time
 import uuid
 
 import typer
-from harness import env_info, env_line, interleave, placed, rate, ratios, stat
+from harness import COMPACT, compact_free_memory, env_info, env_line, interleave, placed, rate, ratios, stat
 from rich.console import Console
 from rich.table import Table
 
@@ -45,7 +45,6 @@ from ascendstore.local.pages import tmpfs_huge
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 BATCH = 32
 KINDS = ("lazy", "off", "prefault")
-COMPACT = "/proc/sys/vm/compact_memory"
 app = typer.Typer(add_completion=False)
 
 
@@ -153,11 +152,6 @@ def speed(rounds: int, min_s: float, fill_mib: int) -> dict:
             be.close()
 
 
-def _compact() -> None:
-    with open(COMPACT, "w") as f:
-        f.write("1")
-
-
 @app.command()
 def main(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of tables"),
@@ -181,7 +175,7 @@ def main(
     for p in range(procs):
         for kind in KINDS[p % 3:] + KINDS[: p % 3]:  # each kind goes first in turn
             if compact_memory:
-                _compact()
+                compact_free_memory()
             out = subprocess.run([sys.executable, __file__, "--child", kind, "--fill-mib", str(fill_mib)],
                                  capture_output=True, text=True, timeout=600, check=True)
             res["fill"][kind].append(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -79,7 +79,19 @@ from collections.abc import Callable
 
 import numpy as np
 import typer
-from harness import Stat, across_processes, env_info, env_line, interleave, placed, rate, ratios, stat
+from harness import (
+    COMPACT,
+    Stat,
+    across_processes,
+    compact_free_memory,
+    env_info,
+    env_line,
+    interleave,
+    placed,
+    rate,
+    ratios,
+    stat,
+)
 from rich.console import Console
 from rich.table import Table
 
@@ -337,19 +349,6 @@ def _one_process(rounds: int, min_s: float, page_size: int, hugetlbfs: str | Non
     return json.loads(out.stdout)
 
 
-#: writing 1 here makes the kernel compact all free memory (root)
-COMPACT = "/proc/sys/vm/compact_memory"
-
-
-def _compact_memory() -> None:
-    """Have the kernel gather free memory into large blocks before a DRAM process maps
-    its pools and mirrors: the pages a fresh /dev/shm mapping gets otherwise depend on
-    how fragmented the host's free memory happens to be, and a copy on 4 KiB pages
-    ran up to 2x faster on pages that share their 2 MiB frames (``layout``)."""
-    with open(COMPACT, "w") as f:
-        f.write("1")
-
-
 def _across(runs: list[dict]) -> dict:
     """Each figure as the median over processes of the process medians (min..max across
     processes), keeping every process's median and the median within-process spread."""
@@ -418,7 +417,7 @@ def main(
     runs = []
     for _ in range(procs):
         if compact_memory:
-            _compact_memory()
+            compact_free_memory(COMPACT)  # (the module's knob: tests point it elsewhere)
         runs.append(_one_process(rounds, min_s, page_size, huge, shm_huge or None, user_offset))
     results.update(_across(runs))
     results["exists_512_us"] = bench_exists(512, 20 if quick else 60, rounds)

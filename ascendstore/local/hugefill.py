@@ -36,8 +36,9 @@ _IDLE_MIN_S, _IDLE_MAX_S = 0.02, 0.5
 #: the thread's nice value (Linux: per thread)
 _NICE = 10
 
-# collapse_step's states
-_CAUGHT_UP, _DONE, _NOT_HERE, _CLOSED = 0, 1, -1, 2
+# collapse_step's states the thread tells apart (1: the whole arena done, 2: the pool
+# closed, end it as well)
+_CAUGHT_UP, _NOT_HERE = 0, -1
 
 
 class HugePageFiller:
