@@ -17,6 +17,8 @@ import textwrap
 
 import pytest
 
+from ascendstore.local.pages import collapse_works
+
 MiB = 1 << 20
 CAPACITY = 32 * MiB
 
@@ -28,27 +30,7 @@ _PROGRAM = textwrap.dedent("""
     from ascendstore.contract import BackendContext, Region, Status
     from ascendstore.local.backend import LocalBackend
     from ascendstore.local.options import LocalOptions
-
-    def collapse_works():
-        # whether this kernel makes a 2 MiB page of a /dev/shm file on request
-        # (MADV_COLLAPSE, Linux 6.1+), asked with a file and mapping of its own
-        import ctypes, mmap, os, tempfile
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long]
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        fd, path = tempfile.mkstemp(dir="/dev/shm")
-        try:
-            os.ftruncate(fd, 2 << 20)
-            span = libc.mmap(None, 4 << 20, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-            at = (span + (2 << 20) - 1) & ~((2 << 20) - 1)
-            assert libc.mmap(at, 2 << 20, 3, mmap.MAP_SHARED | 0x10, fd, 0) == at  # MAP_FIXED
-            ctypes.c_char.from_address(at).value = b"x"
-            return libc.madvise(at, 2 << 20, 25) == 0
-        finally:
-            os.close(fd)
-            os.unlink(path)
+    from ascendstore.local.pages import collapse_works
 
     prefault = sys.argv[1] == "create" and sys.argv[2] == "prefault"
     o = LocalOptions(name="thp-test", capacity={capacity}, prefault=prefault)
@@ -206,10 +188,6 @@ def _run_lazy(tmp_path, lazy: bool, n: int = 60) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _collapse_works(tmp_path) -> bool:
-    return _run("never", tmp_path)["collapse_works"]
-
-
 def test_a_pool_not_prefaulted_is_made_2_mib_pages_as_it_fills_and_every_byte_stays(tmp_path):
     """lazy_huge_pages (the default): the creator's thread has the kernel make 2 MiB
     pages just ahead of the fill while the creator and an attached process put objects;
@@ -221,7 +199,7 @@ def test_a_pool_not_prefaulted_is_made_2_mib_pages_as_it_fills_and_every_byte_st
     mib = 1 << 20
     used = 2 * 60 * (64 + 192 + 4096 + 1024) // 4 * 1024  # both processes' objects, in bytes
     assert r["segment"] < used + 64 * mib, r  # a 1 GiB pool: memory still taken as used
-    if _collapse_works(tmp_path):
+    if collapse_works():
         assert r["caught_up"] and r["made"] >= used // (2 * mib) // 2 and r["collapsed"], r
         assert r["kind"] == "thp" and r["huge"] >= r["resident"] * 3 // 4, r
         assert "MADV_COLLAPSE" in r["text"], r["text"]

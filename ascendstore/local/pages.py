@@ -196,6 +196,44 @@ def tmpfs_huge(path: str) -> str:
     return mount_option(path, "huge") or "never"
 
 
+#: madvise(2) advice that has the kernel make 2 MiB pages of a range now (Linux 6.1+)
+MADV_COLLAPSE = 25
+
+
+def collapse_works(directory: str = "/dev/shm") -> bool:
+    """Whether this kernel makes a 2 MiB page of a file under ``directory`` on request
+    (``MADV_COLLAPSE``: Linux 6.1+, and tmpfs huge pages not turned off with
+    ``shmem_enabled`` ``deny``), asked of a 2 MiB file and a mapping of its own: what a
+    pool's creator relies on where the tmpfs is mounted ``huge=never``."""
+    import mmap
+    import tempfile
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    huge = 2 << 20
+    fd, path = tempfile.mkstemp(dir=directory)
+    span = None
+    try:
+        os.ftruncate(fd, huge)
+        # 4 MiB reserved, then the file mapped over its 2 MiB-aligned middle (MAP_FIXED)
+        span = libc.mmap(None, 2 * huge, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        if span in (None, ctypes.c_void_p(-1).value):
+            return False
+        at = (span + huge - 1) & ~(huge - 1)
+        if libc.mmap(at, huge, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | 0x10, fd, 0) != at:
+            return False
+        ctypes.c_char.from_address(at).value = b"x"
+        return libc.madvise(at, huge, MADV_COLLAPSE) == 0
+    finally:
+        if span not in (None, ctypes.c_void_p(-1).value):
+            libc.munmap(span, 2 * huge)
+        os.close(fd)
+        os.unlink(path)
+
+
 def mapped_pages(path: str, smaps: str = "/proc/self/smaps") -> tuple[int, int]:
     """(resident bytes, bytes in huge pages) of this process's mappings of ``path``."""
     resident = huge = 0

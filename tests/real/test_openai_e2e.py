@@ -12,6 +12,7 @@ with exactly each user's history in the pool.
 
 from __future__ import annotations
 
+import os
 import random
 import struct
 import time
@@ -42,7 +43,9 @@ def gr_prompt(user: int, rnd: int) -> list[int]:
     h = random.Random(f"history-{uid}-{salt}")
     c = random.Random(f"candidates-{user}-{rnd}")
     return [h.randrange(10, 500) for _ in range(hist)] + [c.randrange(10, 500) for _ in range(CANDIDATES)]
-POOL = {"backend": "local", "backend_config": {"name": f"real-{uuid.uuid4().hex[:8]}", "capacity": "64MiB"}}
+#: the pool at its default capacity (1 GiB) and options: not prefaulted, so memory is
+#: taken as saves fill it, and its creator's thread makes it 2 MiB pages as it fills
+POOL = {"backend": "local", "backend_config": {"name": f"real-{uuid.uuid4().hex[:8]}"}}
 
 
 def pool_config(port: int, **extra: object) -> dict:
@@ -126,6 +129,50 @@ def test_cold_pool_matches_no_connector(pool_a, reference, documents) -> None:
     assert m.get("vllm:ascendstore_lookup_hit_tokens_total", 0) == 0
     assert m.get("vllm:ascendstore_save_bytes_total", 0) > 0, "the cold pass saved nothing"
     print(f"cold: largest top-5 logprob difference {worst:.2e}")
+
+
+def _pool_mappings() -> dict[int, tuple[int, int]]:
+    """(resident bytes, bytes in 2 MiB pages) of the pool's segment in each process mapping it."""
+    from ascendstore.local.pages import mapped_pages
+
+    path = "/dev/shm/ascendstore-pool." + POOL["backend_config"]["name"]
+    out = {}
+    for pid in (int(d) for d in os.listdir("/proc") if d.isdigit()):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                if path not in f.read():
+                    continue
+        except OSError:
+            continue  # gone, or not ours to read
+        out[pid] = mapped_pages(path, f"/proc/{pid}/smaps")
+    return out
+
+
+def test_the_pool_takes_memory_as_it_fills_in_2_mib_pages_under_the_server(pool_a) -> None:
+    """lazy_huge_pages (the default) under vLLM's own processes: the pool is 1 GiB, but the
+    server's processes hold about what was saved, not the capacity; and on a /dev/shm
+    mounted huge=never (the usual mount) where the kernel makes 2 MiB pages on request,
+    the creator's thread made what was saved 2 MiB pages. The warm test after this one
+    then reads those pages back: its outputs must equal the no-connector server's."""
+    from ascendstore.local.pages import collapse_works, tmpfs_huge
+
+    saved = wait_saved(pool_a)["vllm:ascendstore_save_bytes_total"]
+    expect_huge = tmpfs_huge("/dev/shm") == "never" and collapse_works()
+    deadline = time.monotonic() + 30.0
+    while True:  # the thread catches up with the fill within a second or so of the last save
+        maps = _pool_mappings()
+        huge = max((h for _, h in maps.values()), default=0)
+        if not expect_huge or huge >= 2 << 20 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert maps, "no process of the server maps the pool"
+    resident = max(r for r, _ in maps.values())
+    print(f"pool: {saved / 2**20:.1f} MiB saved; in {len(maps)} processes, at most {resident / 2**20:.1f} MiB "
+          f"resident, {huge / 2**20:.0f} MiB in 2 MiB pages")
+    # (a 1 GiB pool; its index and headers and the partly filled 2 MiB stretch on top of the saves)
+    assert resident <= saved + 64 * 2**20, maps
+    if expect_huge:
+        assert huge >= 2 << 20, maps
 
 
 def test_warm_pool_after_reset_serves_prompts_from_the_pool(pool_a, reference, documents) -> None:
