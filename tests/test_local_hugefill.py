@@ -1,14 +1,21 @@
-"""The creator's thread that makes 2 MiB pages of a pool as it fills
-(ascendstore.local.hugefill, ``lazy_huge_pages``), on this host's own /dev/shm: which
-pools get one, that it ends with its pool however that ends, and bytes under it.
-The pages themselves, in a tmpfs mounted huge=never of the test's own, are checked in
-test_local_thp.py (root)."""
+"""The thread that makes 2 MiB pages of a pool as it fills (ascendstore.local.hugefill,
+``lazy_huge_pages``), on this host's own /dev/shm: which pools get one, that one process
+at a time does the work and another takes over when it is gone, that it ends with its
+pool however that ends, and bytes under it. The pages of a pool whose creator and an
+attached process fill it, in a tmpfs mounted huge=never of the test's own, are checked
+in test_local_thp.py (root)."""
 
 from __future__ import annotations
 
 import gc
+import os
 import random
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -38,15 +45,20 @@ def _filler_threads() -> list[threading.Thread]:
 
 
 @needs_huge_never
-def test_only_the_creator_of_a_large_pool_not_prefaulted_runs_the_thread():
+def test_every_handle_of_a_large_pool_not_prefaulted_runs_the_thread_and_one_does_the_work():
     be = _open(capacity="1GiB")
     try:
-        assert be.huge_page_filler is not None
-        other = _open(name=be.options.name, capacity="1GiB")  # attaches: the creator's thread serves both
+        mine = be.huge_page_filler
+        assert mine is not None and mine.caught_up(30.0) and mine.filling and be._pool.filling
+        other = _open(name=be.options.name, capacity="1GiB")  # attaches: a handle and slot of its own
         try:
-            assert other.huge_page_filler is None
+            theirs = other.huge_page_filler
+            assert theirs is not None and theirs.caught_up(30.0)
+            assert theirs.state == 3 and not theirs.filling and theirs.made == 0  # the creator's thread works
+            assert theirs._thread.is_alive()  # and it looks again later
         finally:
             other.close()
+        assert mine.filling and mine._thread.is_alive()
         for kw in ({"capacity": "512MiB"}, {"capacity": "1GiB", "lazy_huge_pages": False},
                    {"capacity": "1GiB", "prefault": True}):
             small = _open(**kw)
@@ -112,17 +124,96 @@ def test_a_pool_that_is_dropped_unclosed_ends_its_thread():
 
 
 @needs_huge_never
-def test_only_the_creator_s_handle_makes_pages():
-    be = _open(capacity="1GiB")
-    other = _open(name=be.options.name, capacity="1GiB")
+def test_one_handle_at_a_time_makes_pages_and_the_role_passes_on_when_it_lets_go_or_closes():
+    """The native steps without threads (lazy_huge_pages off): the first handle to step
+    takes the role; another's step answers 3 (another fills) until the first gives it up
+    (collapse_release) or closes."""
+    a = _open(capacity="1GiB", lazy_huge_pages=False)
+    b = _open(name=a.options.name, capacity="1GiB", lazy_huge_pages=False)
+    c = None
     try:
-        assert other._pool.collapse_step(4)[2] == -1  # an attached process's handle: not its work
-        small = _open(capacity="64MiB", lazy_huge_pages=False)
-        small.close()
-        assert small._pool.collapse_step(4)[2] == 2  # a closed handle
+        assert not a._pool.filling and not b._pool.filling  # nobody asked yet
+        assert a._pool.collapse_step(4)[2] == 0 and a._pool.filling
+        assert b._pool.collapse_step(4) == (0, 0, 3) and not b._pool.filling
+        a._pool.collapse_release()
+        assert not a._pool.filling
+        assert b._pool.collapse_step(4)[2] == 0 and b._pool.filling
+        assert a._pool.collapse_step(4)[2] == 3
+        c = _open(name=a.options.name, capacity="1GiB", lazy_huge_pages=False)
+        b.close()  # closing gives the role up too
+        assert not b._pool.filling and b._pool.collapse_step(4)[2] == 2  # a closed handle
+        assert c._pool.collapse_step(4)[2] == 0 and c._pool.filling  # c asked first
+        assert a._pool.collapse_step(4)[2] == 3
     finally:
-        other.close()
-        be.close()
+        for be in (a, b, c):
+            if be is not None:
+                be.close()
+
+
+#: a process that creates a 1 GiB pool (its thread doing the work), puts objects,
+#: says so, and waits to be killed
+_CREATOR = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from ascendstore.contract import BackendContext, Region, Status
+    from ascendstore.local.backend import LocalBackend
+    from ascendstore.local.options import LocalOptions
+
+    be = LocalBackend.create(LocalOptions(name=sys.argv[1], capacity="1GiB"), BackendContext())
+    for i in range(16):
+        v = np.random.default_rng(i).integers(0, 256, 1 << 20, dtype=np.uint8)
+        assert be.put([f"c/{{i}}"], [[Region(v.ctypes.data, v.size)]], 5.0) == [Status.OK]
+    assert be.huge_page_filler.caught_up(60.0) and be.huge_page_filler.filling
+    print("ready", flush=True)
+    time.sleep(600)
+""")
+
+
+@needs_huge_never
+def test_a_process_that_attached_takes_over_when_the_one_at_work_is_killed():
+    """Engines sharing a pool outlive the one that created it. The creator's thread does
+    the work while it lives; once it is killed (SIGKILL: nothing let go of the role), the
+    attached process's thread takes over, and what it puts then lands in 2 MiB pages.
+    Everything both put reads back exact."""
+    from ascendstore.local.pages import collapse_works
+
+    name = "hf-" + uuid.uuid4().hex[:8]
+    child = subprocess.Popen([sys.executable, "-c", _CREATOR.format(), name], stdout=subprocess.PIPE, text=True)
+    be = None
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        be = _open(name=name, capacity="1GiB")
+        filler = be.huge_page_filler
+        assert filler is not None and filler.caught_up(30.0)
+        assert filler.state == 3 and not filler.filling  # the creator is at it
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(30)
+        deadline = time.monotonic() + 30.0
+        while not filler.filling and time.monotonic() < deadline:
+            filler.caught_up(5.0)
+        assert filler.filling, filler.state  # the attached process took over
+        mine = {}
+        for i in range(48):
+            v = np.random.default_rng(100 + i).integers(0, 256, 1 << 20, dtype=np.uint8)
+            assert be.put([f"a/{i}"], [[Region(v.ctypes.data, v.size)]], 5.0) == [Status.OK]
+            mine[f"a/{i}"] = v
+        assert filler.caught_up(60.0)
+        for k, v in [*mine.items(), *((f"c/{i}", np.random.default_rng(i).integers(0, 256, 1 << 20,
+                                                                                   dtype=np.uint8))
+                                      for i in range(16))]:
+            out = np.empty_like(v)
+            assert be.get([k], [[Region(out.ctypes.data, out.size)]], 5.0) == [Status.OK], k
+            assert np.array_equal(out, v), k
+        if collapse_works():
+            # its 48 MiB beyond the creator's 16: made 2 MiB pages by this process's thread
+            assert filler.made >= 48 // 2, filler.made
+            assert be.dram_pages().huge_bytes >= 48 << 20, be.dram_pages()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(30)
+        if be is not None:
+            be.close()
 
 
 class _FakePool:
@@ -131,6 +222,8 @@ class _FakePool:
     def __init__(self, answers: list) -> None:
         self.answers = answers
         self.calls = 0
+        self.filling = False
+        self.releases = 0
 
     def collapse_step(self, n: int):  # type: ignore[no-untyped-def]
         self.calls += 1
@@ -138,7 +231,12 @@ class _FakePool:
         if isinstance(a, Exception):
             raise a
         self.last = a[1]
+        self.filling = a[2] != 3
         return a
+
+    def collapse_release(self) -> None:
+        self.releases += 1
+        self.filling = False
 
 
 def test_a_kernel_that_refuses_is_said_once_and_the_thread_ends(caplog):
@@ -180,3 +278,36 @@ def test_stretches_the_kernel_could_not_make_do_not_stop_the_walk():
         assert f.idle_waits <= 2, f.idle_waits  # the steps that found nothing to do, not one per step
     finally:
         f.stop()
+
+
+def test_while_another_process_does_the_work_the_thread_looks_again_and_takes_over():
+    """State 3 (another live process fills) neither ends the thread nor counts as work:
+    it looks again later (here woken by caught_up) and takes over when the other is gone.
+    When it ends, it gives the role up, so that a third process can take it."""
+    from ascendstore.local.hugefill import HugePageFiller
+
+    fake = _FakePool([(0, 0, 3), (0, 0, 3), (2, 4 << 20, 0)])
+    f = HugePageFiller(fake, "other")  # type: ignore[arg-type]
+    try:
+        for _ in range(3):
+            assert f.caught_up(10.0)
+            assert f._thread.is_alive()
+        deadline = time.monotonic() + 10.0
+        while fake.answers and time.monotonic() < deadline:
+            f.caught_up(1.0)
+        assert f.caught_up(10.0)
+        assert f.made == 2 and f.filling and fake.releases == 0
+    finally:
+        f.stop()
+    assert fake.releases == 1 and not f.filling
+
+
+def test_a_thread_that_never_took_the_role_gives_nothing_up():
+    from ascendstore.local.hugefill import HugePageFiller
+
+    fake = _FakePool([(0, 0, 3)])
+    fake.answers += [(0, 0, 3)] * 1000
+    f = HugePageFiller(fake, "never")  # type: ignore[arg-type]
+    assert f.caught_up(10.0)
+    f.stop()
+    assert fake.releases == 0 and f.made == 0

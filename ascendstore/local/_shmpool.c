@@ -105,8 +105,12 @@ typedef struct {
 typedef struct {
     int32_t pid;
     int32_t in_use;
-    uint64_t reserved;
+    uint64_t flags; /* SLOT_*; zeroed when a process takes the slot (builds before it wrote 0 here) */
 } slot_t;
+
+/* The slot's process makes the pool's 2 MiB pages as it fills (collapse_step): one live
+ * process at a time. Written under the pool lock. */
+#define SLOT_FILLS 1ull
 
 typedef struct {
     uint64_t magic;
@@ -179,9 +183,10 @@ typedef struct Pool {
     char lock_name[170]; /* shm name of the slot lock file */
     char huge_dir[128];  /* a hugetlbfs mount holding the segment, or "" for a /dev/shm object */
     uint64_t huge_page;  /* that mount's page size (0: /dev/shm) */
-    int collapsed;       /* this process created the pool and MADV_COLLAPSE put its arena in 2 MiB pages */
+    int collapsed;       /* MADV_COLLAPSE made 2 MiB pages of the arena through this handle */
     int created;         /* this process created the pool's segment */
-    uint64_t fill_cursor; /* collapse_step: arena bytes below this were looked at (creator only) */
+    uint64_t fill_cursor; /* collapse_step: arena bytes below this were looked at by this handle */
+    int filling;          /* this handle holds the pool's filler role (SLOT_FILLS on its slot) */
     int lock_fd;         /* this handle's own open of it (its own OFD: its own locks) */
     struct Pool *all_next, *all_prev; /* every open handle, to drop inherited lock fds after fork */
     int slot;
@@ -1516,7 +1521,7 @@ static int slot_attach(Pool *p) {
     for (int s = 0; s < MAX_PROCS; s++)
         if (!S[s].in_use && slot_lock_take(p, s) == 0) {
             S[s].pid = getpid();
-            S[s].reserved = 0;
+            S[s].flags = 0;
             S[s].in_use = 1;
             return s;
         }
@@ -2502,9 +2507,16 @@ static void prefault_arena(Pool *p) {
  * A pool that is not prefaulted fills in 4 KiB pages as puts first touch them,
  * on a /dev/shm mounted huge=never (the usual mount): scattered over physical
  * memory where the host's free memory is fragmented, and 512x the page-table
- * entries. Its creator's thread (LocalBackend) calls this to have the kernel make
- * each 2 MiB stretch of the arena one 2 MiB page (MADV_COLLAPSE, as prefault_arena
- * does at creation) just before the pool's fill reaches it, off the puts' path.
+ * entries. A thread (LocalBackend) calls this to have the kernel make each 2 MiB
+ * stretch of the arena one 2 MiB page (MADV_COLLAPSE, as prefault_arena does at
+ * creation) just before the pool's fill reaches it, off the puts' path.
+ *
+ * Every process with the pool open may run that thread; one live process at a time
+ * does the work (SLOT_FILLS on its slot, taken under the lock by the first call that
+ * finds no live process holding it). When that process closes the pool or dies, the
+ * next call of another takes over: a pool shared by engines outlives the one that
+ * created it, and its later fill still gets 2 MiB pages. A process taking over walks
+ * from the start (its cursor is its own); stretches already made cost it a quick call.
  *
  * The arena fills upward: pages are handed out from the free list, which starts
  * in page order and takes freed pages back at its head, so pages above the
@@ -2521,9 +2533,10 @@ static void prefault_arena(Pool *p) {
  * present is faulted in with MADV_POPULATE_WRITE, which leaves data as it is.
  *
  * state: 0 caught up with the fill (call again later), 1 the whole arena was
- * looked at, -1 nothing to do here (not the creator, hugetlbfs, an arena not on a
- * 2 MiB boundary) or the kernel refuses (EINVAL: before Linux 6.1, shmem_enabled
- * deny), 2 closed. A stretch the kernel could not make (no free 2 MiB block:
+ * looked at, -1 nothing to do here (hugetlbfs, an arena not on a 2 MiB boundary, a
+ * forked child) or the kernel refuses (EINVAL: before Linux 6.1, shmem_enabled
+ * deny), 2 closed, 3 another live process fills (call again later: it may be gone).
+ * A stretch the kernel could not make (no free 2 MiB block:
  * EAGAIN, ENOMEM) stays in 4 KiB pages and is passed over. */
 static int stretch_in_memory(uint8_t *s) {
     unsigned char vec[HUGE_2M / 4096];
@@ -2541,12 +2554,28 @@ static PyObject *Pool_collapse_step(Pool *p, PyObject *args) {
     uint8_t *arena = ARENA(p);
     uint64_t P = p->h->page_size, len = (uint64_t)p->h->n_pages * P;
     uint64_t whole = ((uintptr_t)arena % HUGE_2M) ? 0 : len / HUGE_2M * HUGE_2M;
-    if (!p->created || p->huge_page || !whole || p->pid != getpid()) {
+    if (p->huge_page || !whole || p->pid != getpid()) {
         leave(p);
         return Py_BuildValue("(iKi)", 0, (unsigned long long)p->fill_cursor, -1);
     }
     Py_BEGIN_ALLOW_THREADS
-    while (made < n) {
+    if (!p->filling) {
+        /* (a short wait: the lock is busy only for a moment, and a miss is tried again) */
+        state = 3;
+        if (pool_lock(p, now_mono() + 0.5) == ST_OK) {
+            slot_t *S = SLOTS(p);
+            int other = 0;
+            for (int s = 0; s < MAX_PROCS && !other; s++)
+                other = s != p->slot && (S[s].flags & SLOT_FILLS) && slot_alive(p, s);
+            if (!other) {
+                S[p->slot].flags |= SLOT_FILLS;
+                p->filling = 1;
+                state = 0;
+            }
+            pool_unlock(p);
+        }
+    }
+    while (!state && made < n) {
         if (atomic_load(&p->closed)) {
             state = 2;
             break;
@@ -2572,6 +2601,26 @@ static PyObject *Pool_collapse_step(Pool *p, PyObject *args) {
     Py_END_ALLOW_THREADS
     leave(p);
     return Py_BuildValue("(iKi)", made, (unsigned long long)p->fill_cursor, state);
+}
+
+/* collapse_release(): give up the filler role (the thread ends), so that another
+ * process's next collapse_step takes it. Closing the pool gives it up too. */
+static PyObject *Pool_collapse_release(Pool *p, PyObject *noargs) {
+    (void)noargs;
+    if (enter(p) < 0) Py_RETURN_NONE;
+    int st = ST_OK;
+    if (p->filling && p->pid == getpid()) {
+        Py_BEGIN_ALLOW_THREADS
+        if ((st = pool_lock(p, now_mono() + 5.0)) == ST_OK) {
+            SLOTS(p)[p->slot].flags &= ~SLOT_FILLS;
+            p->filling = 0;
+            pool_unlock(p);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    leave(p);
+    if (st != ST_OK) return PyErr_Format(PyExc_TimeoutError, "collapse_release: the pool lock was not free in 5 s");
+    Py_RETURN_NONE;
 }
 
 /* The segment's file: a POSIX shm object (/dev/shm: 4 KiB pages unless that tmpfs is
@@ -2842,9 +2891,11 @@ static void pool_detach(Pool *p, int destroy) {
     if (!p->h) return;
     hdr_t *h = p->h;
     int unlinked = 0;
+    p->filling = 0;
     if (pool_lock(p, now_mono() + 5.0) == ST_OK) {
         if (p->pid == getpid()) {
             SLOTS(p)[p->slot].in_use = 0;
+            SLOTS(p)[p->slot].flags = 0; /* (the filler role goes with the slot) */
             slot_lock_release(p, p->slot);
         }
         int live = 0;
@@ -2949,6 +3000,7 @@ static int Pool_init(Pool *p, PyObject *args, PyObject *kw) {
     p->collapsed = 0;
     p->created = 0;
     p->fill_cursor = 0;
+    p->filling = 0;
     if (huge && huge[0]) {
         struct statfs fs;
         if (strlen(huge) >= sizeof p->huge_dir) {
@@ -4094,6 +4146,7 @@ static PyObject *Pool_close(Pool *p, PyObject *args) {
 
 static PyObject *Pool_get_shm_name(Pool *p, void *c) { return PyUnicode_FromString(p->shm_name); }
 static PyObject *Pool_get_collapsed(Pool *p, void *c) { return PyBool_FromLong(p->collapsed); }
+static PyObject *Pool_get_filling(Pool *p, void *c) { return PyBool_FromLong(p->filling); }
 static PyObject *Pool_get_created(Pool *p, void *c) { return PyBool_FromLong(p->created); }
 static PyObject *Pool_get_closed(Pool *p, void *c) { return PyBool_FromLong(atomic_load(&p->closed) || !p->h); }
 
@@ -4109,9 +4162,11 @@ static PyMethodDef Pool_methods[] = {
     {"remove", (PyCFunction)Pool_remove, METH_VARARGS, "remove(keys, timeout_s) -> [Status]"},
     {"scan", (PyCFunction)Pool_scan, METH_VARARGS,
      "scan(prefix, remove, limit, timeout_s) -> (Status, count | [keys])"},
+    {"collapse_release", (PyCFunction)Pool_collapse_release, METH_NOARGS,
+     "collapse_release(): give up making 2 MiB pages as the pool fills, for another process to take over"},
     {"collapse_step", (PyCFunction)Pool_collapse_step, METH_VARARGS,
      "collapse_step(n) -> (stretches made 2 MiB pages, cursor bytes, state 0 caught up / 1 done / -1 not here "
-     "or refused / 2 closed): the creator's 2 MiB pages as the pool fills (MADV_COLLAPSE)"},
+     "or refused / 2 closed / 3 another process fills): 2 MiB pages as the pool fills (MADV_COLLAPSE)"},
     {"prefix_run", (PyCFunction)Pool_prefix_run, METH_VARARGS,
      "prefix_run(prefixes, suffixes, gallop, timeout_s, lease_s=0) -> (Status, chunks present from 0, probes);"
      " lease_s > 0 also pins those chunks"},
@@ -4141,7 +4196,9 @@ static PyGetSetDef Pool_getset[] = {
     {"shm_name", (getter)Pool_get_shm_name, NULL, NULL, NULL},
     {"created", (getter)Pool_get_created, NULL, NULL, "this process created the pool's segment"},
     {"collapsed", (getter)Pool_get_collapsed, NULL, NULL,
-     "this process created the pool and put its arena in 2 MiB pages (MADV_COLLAPSE)"},
+     "MADV_COLLAPSE made 2 MiB pages of the arena through this handle (prefault, or as the pool fills)"},
+    {"filling", (getter)Pool_get_filling, NULL, NULL,
+     "this handle makes the pool's 2 MiB pages as it fills (collapse_step; one live process at a time)"},
     {"closed", (getter)Pool_get_closed, NULL, NULL, NULL},
     {NULL},
 };

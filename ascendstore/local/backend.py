@@ -182,8 +182,9 @@ class LocalBackend(Backend):
         backend = cls(pool, options, ctx)
         if (options.hugetlbfs is None and options.capacity >= _PAGE_HINT_BYTES and not pool.collapsed
                 and tmpfs_huge("/dev/shm") == "never"):
-            if pool.created and not options.prefault and options.lazy_huge_pages:
-                # 2 MiB pages made as the pool fills, by this process's thread (ascendstore.local.hugefill)
+            if not options.prefault and options.lazy_huge_pages:
+                # 2 MiB pages made as the pool fills, by a thread of one process at a time
+                # (ascendstore.local.hugefill): every process that opens it starts one
                 backend._filler = HugePageFiller(pool, options.name)
                 return backend
             # What this process maps (an attacher maps in a sample of what the segment
@@ -195,7 +196,7 @@ class LocalBackend(Backend):
                     "large gets run ~25%% faster: `mount -o remount,huge=advise /dev/shm`, or set hugetlbfs "
                     "(docs/local-backend.md#huge-pages)", options.name,
                     "; the kernel could not make 2 MiB pages of the whole prefaulted pool" if options.prefault
-                    else "; its creator makes 2 MiB pages of it as it fills unless `lazy_huge_pages: false`"
+                    else "; 2 MiB pages are made of it as it fills unless `lazy_huge_pages: false`"
                     if options.lazy_huge_pages else "; `lazy_huge_pages: true` makes 2 MiB pages of it as it fills",
                 )
                 _warn_if_scattered(options.name, pages.frame_share)
@@ -203,7 +204,8 @@ class LocalBackend(Backend):
 
     @property
     def huge_page_filler(self) -> HugePageFiller | None:
-        """The thread making 2 MiB pages as the pool fills (its creator's, lazy_huge_pages), or None."""
+        """This process's thread making 2 MiB pages as the pool fills (lazy_huge_pages), or None;
+        one process's thread at a time does the work (its ``filling``)."""
         return self._filler
 
     @property

@@ -50,9 +50,10 @@ class LocalOptions(BackendOptions):
         "pages where the kernel makes them (MADV_COLLAPSE, Linux 6.1+), whatever the mount's huge="
     )
     lazy_huge_pages: Bool = Field(
-        True, description="a pool of 1 GiB or more that is not prefaulted, on a /dev/shm mounted huge=never: its "
-        "creator's thread has the kernel make each 2 MiB stretch one 2 MiB page just before the pool's fill "
-        "reaches it (MADV_COLLAPSE, Linux 6.1+), off the puts' path; memory is still taken as used"
+        True, description="a pool of 1 GiB or more that is not prefaulted, on a /dev/shm mounted huge=never: a "
+        "thread has the kernel make each 2 MiB stretch one 2 MiB page just before the pool's fill reaches it "
+        "(MADV_COLLAPSE, Linux 6.1+), off the puts' path; memory is still taken as used. Every process that opens "
+        "the pool runs one; one live process at a time does the work, another takes over when it is gone"
     )
     hugetlbfs: str | None = Field(
         None,
