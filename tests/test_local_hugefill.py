@@ -150,6 +150,31 @@ def test_one_handle_at_a_time_makes_pages_and_the_role_passes_on_when_it_lets_go
                 be.close()
 
 
+@needs_huge_never
+def test_a_forked_child_does_not_inherit_the_role():
+    """A child forked from the process at work has its handle but not its role: the role
+    belongs to the parent's slot. Once the child has a slot of its own (its first call),
+    its step answers that another process fills."""
+    a = _open(capacity="1GiB", lazy_huge_pages=False)
+    try:
+        assert a._pool.collapse_step(4)[2] == 0 and a._pool.filling
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = 2 if a._pool.filling else 3
+                v = np.ones(4096, dtype=np.uint8)
+                if code == 3 and a.put(["child"], [[Region(v.ctypes.data, v.size)]], 5.0) == [Status.OK]:
+                    code = 0 if a._pool.collapse_step(4)[2] == 3 and not a._pool.filling else 4
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0  # 2: it held the role; 4: it took up the work too
+        assert a._pool.filling and a._pool.collapse_step(4)[2] == 0
+    finally:
+        a.close()
+
+
 #: a process that creates a 1 GiB pool (its thread doing the work), puts objects,
 #: says so, and waits to be killed
 _CREATOR = textwrap.dedent("""

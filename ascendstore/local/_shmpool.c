@@ -1785,6 +1785,7 @@ static int ensure_slot(Pool *p, double deadline) {
     if (p->pid == getpid()) return ST_OK;
     pthread_mutex_init(&p->local, NULL);
     p->n_orphans = 0;
+    p->filling = 0; /* the parent's role: its slot, not the one this child takes */
     /* the parent's lock fd (if the fork handler did not close it) shares the
      * parent's open file and so its slot locks: take a fresh open of our own */
     if (p->lock_fd >= 0) close(p->lock_fd);
@@ -4146,7 +4147,7 @@ static PyObject *Pool_close(Pool *p, PyObject *args) {
 
 static PyObject *Pool_get_shm_name(Pool *p, void *c) { return PyUnicode_FromString(p->shm_name); }
 static PyObject *Pool_get_collapsed(Pool *p, void *c) { return PyBool_FromLong(p->collapsed); }
-static PyObject *Pool_get_filling(Pool *p, void *c) { return PyBool_FromLong(p->filling); }
+static PyObject *Pool_get_filling(Pool *p, void *c) { return PyBool_FromLong(p->filling && p->pid == getpid()); }
 static PyObject *Pool_get_created(Pool *p, void *c) { return PyBool_FromLong(p->created); }
 static PyObject *Pool_get_closed(Pool *p, void *c) { return PyBool_FromLong(atomic_load(&p->closed) || !p->h); }
 

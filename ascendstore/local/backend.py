@@ -188,7 +188,7 @@ class LocalBackend(Backend):
                 backend._filler = HugePageFiller(pool, options.name)
                 return backend
             # What this process maps (an attacher maps in a sample of what the segment
-            # holds): a pool its creator had the kernel put in 2 MiB pages reads "thp".
+            # holds): a pool whose arena the kernel made 2 MiB pages of reads "thp".
             pages = backend.dram_pages()
             if pages.kind == "small":
                 log.info(

@@ -46,7 +46,7 @@ class DramPages:
         if self.kind == "hugetlbfs":
             return f"hugetlbfs huge pages ({self.path}): {held}"
         if self.kind == "thp" and self.mount_huge == "never":
-            return f"2 MiB pages its creator had the kernel make (MADV_COLLAPSE; tmpfs huge=never): {held}"
+            return f"2 MiB pages the pool had the kernel make (MADV_COLLAPSE; tmpfs huge=never): {held}"
         if self.kind == "thp":
             return f"transparent huge pages (tmpfs huge={self.mount_huge}): {held}"
         scattered = ""

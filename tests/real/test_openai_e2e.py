@@ -152,8 +152,8 @@ def test_the_pool_takes_memory_as_it_fills_in_2_mib_pages_under_the_server(pool_
     """lazy_huge_pages (the default) under vLLM's own processes: the pool is 1 GiB, but the
     server's processes hold about what was saved, not the capacity; and on a /dev/shm
     mounted huge=never (the usual mount) where the kernel makes 2 MiB pages on request,
-    the creator's thread made what was saved 2 MiB pages. The warm test after this one
-    then reads those pages back: its outputs must equal the no-connector server's."""
+    the thread of one of them made what was saved 2 MiB pages. The warm test after this
+    one then reads those pages back: its outputs must equal the no-connector server's."""
     from ascendstore.local.pages import collapse_works, tmpfs_huge
 
     saved = wait_saved(pool_a)["vllm:ascendstore_save_bytes_total"]
