@@ -138,7 +138,8 @@ class HugePageFiller:
 
     def caught_up(self, timeout_s: float = 30.0) -> bool:
         """Wait until a step begun after this call found nothing left to do (the
-        thread has caught up with the fill), or the thread ended (tests, bench)."""
+        thread has caught up with the fill, or another process does the work), or
+        the thread ended (tests, bench)."""
         with self._cond:
             since = self._steps + (1 if self._in_step else 0)  # (a step under way began before)
         self._wake.set()

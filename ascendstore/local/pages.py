@@ -12,7 +12,9 @@ creator has the kernel make them on any mount (``MADV_COLLAPSE``, Linux 6.1+). T
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -198,16 +200,15 @@ def tmpfs_huge(path: str) -> str:
 
 #: madvise(2) advice that has the kernel make 2 MiB pages of a range now (Linux 6.1+)
 MADV_COLLAPSE = 25
+#: mmap(2)'s flag to map at the address given (Python's mmap module does not name it)
+_MAP_FIXED = 0x10
 
 
 def collapse_works(directory: str = "/dev/shm") -> bool:
     """Whether this kernel makes a 2 MiB page of a file under ``directory`` on request
     (``MADV_COLLAPSE``: Linux 6.1+, and tmpfs huge pages not turned off with
     ``shmem_enabled`` ``deny``), asked of a 2 MiB file and a mapping of its own: what a
-    pool's creator relies on where the tmpfs is mounted ``huge=never``."""
-    import mmap
-    import tempfile
-
+    pool relies on for 2 MiB pages where the tmpfs is mounted ``huge=never``."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -223,7 +224,7 @@ def collapse_works(directory: str = "/dev/shm") -> bool:
         if span in (None, ctypes.c_void_p(-1).value):
             return False
         at = (span + huge - 1) & ~(huge - 1)
-        if libc.mmap(at, huge, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | 0x10, fd, 0) != at:
+        if libc.mmap(at, huge, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, fd, 0) != at:
             return False
         ctypes.c_char.from_address(at).value = b"x"
         return libc.madvise(at, huge, MADV_COLLAPSE) == 0
