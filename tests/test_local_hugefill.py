@@ -187,7 +187,7 @@ _CREATOR = textwrap.dedent("""
     be = LocalBackend.create(LocalOptions(name=sys.argv[1], capacity="1GiB"), BackendContext())
     for i in range(16):
         v = np.random.default_rng(i).integers(0, 256, 1 << 20, dtype=np.uint8)
-        assert be.put([f"c/{{i}}"], [[Region(v.ctypes.data, v.size)]], 5.0) == [Status.OK]
+        assert be.put([f"c/{i}"], [[Region(v.ctypes.data, v.size)]], 5.0) == [Status.OK]
     assert be.huge_page_filler.caught_up(60.0) and be.huge_page_filler.filling
     print("ready", flush=True)
     time.sleep(600)
@@ -203,7 +203,7 @@ def test_a_process_that_attached_takes_over_when_the_one_at_work_is_killed():
     from ascendstore.local.pages import collapse_works
 
     name = "hf-" + uuid.uuid4().hex[:8]
-    child = subprocess.Popen([sys.executable, "-c", _CREATOR.format(), name], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", _CREATOR, name], stdout=subprocess.PIPE, text=True)
     be = None
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "ready"
@@ -217,15 +217,14 @@ def test_a_process_that_attached_takes_over_when_the_one_at_work_is_killed():
         while not filler.filling and time.monotonic() < deadline:
             filler.caught_up(5.0)
         assert filler.filling, filler.state  # the attached process took over
-        mine = {}
-        for i in range(48):
-            v = np.random.default_rng(100 + i).integers(0, 256, 1 << 20, dtype=np.uint8)
-            assert be.put([f"a/{i}"], [[Region(v.ctypes.data, v.size)]], 5.0) == [Status.OK]
-            mine[f"a/{i}"] = v
+        def mib(seed: int) -> np.ndarray:  # (as the creator made its objects)
+            return np.random.default_rng(seed).integers(0, 256, 1 << 20, dtype=np.uint8)
+
+        mine = {f"a/{i}": mib(100 + i) for i in range(48)}
+        for k, v in mine.items():
+            assert be.put([k], [[Region(v.ctypes.data, v.size)]], 5.0) == [Status.OK]
         assert filler.caught_up(60.0)
-        for k, v in [*mine.items(), *((f"c/{i}", np.random.default_rng(i).integers(0, 256, 1 << 20,
-                                                                                   dtype=np.uint8))
-                                      for i in range(16))]:
+        for k, v in {**mine, **{f"c/{i}": mib(i) for i in range(16)}}.items():
             out = np.empty_like(v)
             assert be.get([k], [[Region(out.ctypes.data, out.size)]], 5.0) == [Status.OK], k
             assert np.array_equal(out, v), k

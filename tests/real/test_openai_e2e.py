@@ -44,7 +44,7 @@ def gr_prompt(user: int, rnd: int) -> list[int]:
     c = random.Random(f"candidates-{user}-{rnd}")
     return [h.randrange(10, 500) for _ in range(hist)] + [c.randrange(10, 500) for _ in range(CANDIDATES)]
 #: the pool at its default capacity (1 GiB) and options: not prefaulted, so memory is
-#: taken as saves fill it, and its creator's thread makes it 2 MiB pages as it fills
+#: taken as saves fill it, and a thread of one of its processes makes it 2 MiB pages
 POOL = {"backend": "local", "backend_config": {"name": f"real-{uuid.uuid4().hex[:8]}"}}
 
 
