@@ -261,6 +261,12 @@ class BackendContext:
     instance_id: str = "default"
     #: default per-call timeout the core will enforce.
     timeout_s: float = 5.0
+    #: open the store only if it exists, as it was made: set by tools that inspect a pool
+    #: (``ascendstore pool``). A backend that keeps its store in the memory of the processes
+    #: using it (``local``) raises BackendSetupError when there is none rather than make an
+    #: empty one, and takes the options the store was made with; a client of a service
+    #: connects as usual.
+    existing_only: bool = False
 
 
 class BackendOptions(BaseModel):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import uuid
 from importlib.metadata import EntryPoint
 
@@ -182,6 +183,30 @@ def test_pool_stats(pool):
     assert any(
         line.split("│")[1:3] and "objects" in line and " 2 " in line for line in res.output.splitlines()
     )
+
+
+def test_pool_commands_read_the_pool_as_its_engines_made_it(pool):
+    """Given only the pool's name, the commands read the pool the engines made (8 MiB
+    of 4 KiB pages here), not one of the defaults' size, and are not refused for it."""
+    backend, opts = pool
+    _put(backend, ["a.1", "a.2"])
+    name_only = json.dumps({"name": json.loads(opts)["name"]})
+    res = run("pool", "stats", "--backend", "local", "--backend-config", name_only)
+    assert res.exit_code == 0, res.output
+    rows = {cells[1].strip(): cells[2].strip() for line in res.output.splitlines() if len(cells := line.split("│")) == 4}
+    assert rows["capacity_bytes"] == str(8 << 20) and rows["page_size"] == "4096" and rows["objects"] == "2"
+    res = run("pool", "rm", "a.1", "--backend", "local", "--backend-config", name_only)
+    assert res.exit_code == 0 and "removed 1 key(s)" in res.output
+    assert backend.exists(["a.1", "a.2"], 1.0) == [Status.NOT_FOUND, Status.OK]
+
+
+@pytest.mark.parametrize("command", [["stats"], ["ls"], ["rm", "a.1"]])
+def test_pool_commands_name_a_pool_no_process_has_and_make_none(command):
+    name = f"clitest-{uuid.uuid4().hex[:10]}"
+    res = run("pool", *command, "--backend", "local", "--backend-config", json.dumps({"name": name}))
+    assert res.exit_code == 1
+    assert f"/dev/shm/ascendstore-pool.{name} does not exist" in " ".join(res.output.split())
+    assert not [f for f in os.listdir("/dev/shm") if f.endswith(name)]
 
 
 def test_pool_ls_and_rm_by_user_tenant_prefix_and_key(pool):

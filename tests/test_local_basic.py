@@ -419,6 +419,50 @@ def test_open_with_other_options_while_in_use_is_refused(make_pool):
     assert new.stats()["capacity_bytes"] == 2 * MiB
 
 
+def test_existing_only_opens_a_pool_as_it_was_made_and_makes_none(make_pool, tmp_path):
+    """What ``ascendstore pool`` opens: no pool is an error naming the file, and one made
+    with other options than the tool was given is read as it is, not refused."""
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    tool = BackendContext(existing_only=True)
+    with pytest.raises(BackendSetupError, match=f"ascendstore-pool.{name} does not exist"):
+        LocalBackend.create(LocalOptions(name=name), tool)
+    assert not os.path.exists(f"/dev/shm/ascendstore-pool.{name}")
+    assert not os.path.exists(f"/dev/shm/ascendstore-lock.{name}")
+
+    a = make_pool(name=name, capacity=2 * MiB, page_size=16 * KiB, checksum=True,
+                  disk_path=str(tmp_path / "d"), disk_capacity=8 * MiB)
+    buf = data(100, 1)
+    assert a.put(["k"], [[Region(buf.ctypes.data, 100)]], T) == [OK]
+    b = LocalBackend.create(LocalOptions(name=name), tool)  # the defaults: 1 GiB, 64 KiB pages
+    try:
+        made = {k: getattr(b.options, k) for k in ("capacity", "page_size", "checksum", "disk_path", "disk_capacity")}
+        assert made == {"capacity": 2 * MiB, "page_size": 16 * KiB, "checksum": True,
+                        "disk_path": str(tmp_path / "d"), "disk_capacity": 8 * MiB}
+        assert b.options.max_keys == a.options.effective_max_keys
+        assert b.capabilities.detects_corruption and b.capabilities.max_object_bytes == 2 * MiB
+        assert b.huge_page_filler is None
+        assert b.exists(["k"], T) == [OK] and b.stats()["processes"] == 2
+    finally:
+        b.close()
+
+
+def test_existing_only_leaves_a_pool_whose_processes_died_in_place(make_pool):
+    """A tool that looks at a pool last, its engines gone, does not remove it."""
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    old = LocalBackend.create(LocalOptions(name=name, capacity=MiB, unlink_on_last_close=False), BackendContext())
+    buf = data(100, 1)
+    assert old.put(["k"], [[Region(buf.ctypes.data, 100)]], T) == [OK]
+    old.close()
+    path = f"/dev/shm/ascendstore-pool.{name}"
+    for _ in range(2):
+        tool = LocalBackend.create(LocalOptions(name=name), BackendContext(existing_only=True))
+        assert tool.exists(["k"], T) == [OK] and tool.options.capacity == MiB
+        tool.close()
+        assert os.path.exists(path)
+    make_pool(name=name, capacity=MiB).destroy()
+    assert not os.path.exists(path)
+
+
 def test_registry_creates_local_with_validated_options():
     be = registry.create_backend(
         "local",

@@ -128,18 +128,20 @@ def build_config(
     return load_config(extra)
 
 
-def backend_context(cfg: AscendStoreConfig, role: str = "tool") -> BackendContext:
+def backend_context(cfg: AscendStoreConfig, role: str = "tool", existing_only: bool = False) -> BackendContext:
     return BackendContext(
         role=role,
         instance_id=cfg.instance_id or "default",
         timeout_s=cfg.timeout_ms / 1000.0,
+        existing_only=existing_only,
     )
 
 
-def open_backend(cfg: AscendStoreConfig) -> Backend:
+def open_backend(cfg: AscendStoreConfig, existing_only: bool = False) -> Backend:
     """Create the configured backend; creation is bounded too (a client that
-    retries forever against a missing service must not hang the CLI)."""
-    ctx = backend_context(cfg)
+    retries forever against a missing service must not hang the CLI).
+    ``existing_only``: only a store that exists, as it was made (BackendContext)."""
+    ctx = backend_context(cfg, existing_only=existing_only)
     return bounded(
         create_backend,
         cfg.backend,

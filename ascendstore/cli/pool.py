@@ -68,7 +68,11 @@ def selection_prefix(prefix: str | None, user: str | None, tenant: str | None) -
 
 
 class _Opened:
-    """Open the configured backend for one command; always closed after."""
+    """Open the configured backend for one command; always closed after.
+
+    Only a pool that exists, as it was made: a local pool no engine has open is an
+    error naming it (not an empty pool made for the command), and one made with other
+    options than the command was given is read as it is."""
 
     def __init__(self, **cfg_args: object) -> None:
         self.cfg = config_or_exit(**cfg_args)
@@ -76,7 +80,7 @@ class _Opened:
 
     def __enter__(self) -> Backend:
         try:
-            self.backend = open_backend(self.cfg)
+            self.backend = open_backend(self.cfg, existing_only=True)
         except Exception as exc:
             raise fail(f"cannot open backend {self.cfg.backend!r}: {exc}") from None
         return self.backend

@@ -2645,7 +2645,10 @@ static int arena_unlink(const Pool *p) {
 }
 
 /* Returns -1 and sets a Python error on failure. Called with the GIL. */
-static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int prefault) {
+/* existing: open only a pool some process made, as it was made (its options from its header):
+ * a tool that inspects the pool must neither make an empty one nor be refused for options
+ * it did not know. */
+static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int prefault, int existing) {
     snprintf(p->shm_name, sizeof p->shm_name, "/ascendstore-pool.%s", name);
     /* a pool on hugetlbfs is another pool than the /dev/shm one of its name: its own lock file */
     snprintf(p->lock_name, sizeof p->lock_name, p->huge_page ? "/ascendstore-hlock.%s" : "/ascendstore-lock.%s",
@@ -2674,8 +2677,19 @@ static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int
     Py_BEGIN_ALLOW_THREADS
     for (int attempt = 0; attempt < 1000 && !ok && !err[0]; attempt++) {
         int created = 0;
-        int fd = arena_open(p, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-        if (fd >= 0) {
+        int fd = existing ? -1 : arena_open(p, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        if (existing) {
+            fd = arena_open(p, O_RDWR | O_CLOEXEC, 0600);
+            if (fd < 0) {
+                if (errno == ENOENT)
+                    snprintf(err, sizeof err,
+                             "no such pool on this host: %s does not exist (no process has it open%s)",
+                             where, p->huge_page ? "" : ", or it lives on hugetlbfs: give that option");
+                else
+                    snprintf(err, sizeof err, "cannot open shared memory %s: %s", where, strerror(errno));
+                break;
+            }
+        } else if (fd >= 0) {
             created = 1;
             /* held until the pool is ready (init_lock_op), taken before the file has a
              * size, so whoever finds it sized and not ready can ask whether we are alive;
@@ -2835,7 +2849,7 @@ static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int
             p->h = NULL;
             break;
         }
-        if (!created && (h->capacity != want.capacity || h->page_size != want.page_size ||
+        if (!created && !existing && (h->capacity != want.capacity || h->page_size != want.page_size ||
                          h->max_keys != want.max_keys || h->checksum != want.checksum ||
                          h->disk_capacity != want.disk_capacity || strcmp(h->disk_path, want.disk_path) != 0)) {
             sweep_dead(p);
@@ -2986,15 +3000,16 @@ static PyObject *Pool_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 static int Pool_init(Pool *p, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"name", "capacity", "page_size", "max_keys", "checksum", "disk_path",
                              "disk_capacity", "disk_segment_size", "open_timeout_s", "unlink_on_last_close",
-                             "prefault", "hugetlbfs", NULL};
+                             "prefault", "hugetlbfs", "existing", NULL};
     const char *name;
     unsigned long long cap, page, dcap = 0, dseg = 64ull << 20;
     unsigned int maxk;
-    int checksum = 0, unlink_last = 1, prefault = 0;
+    int checksum = 0, unlink_last = 1, prefault = 0, existing = 0;
     const char *dpath = NULL, *huge = NULL;
     double tmo = 10.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "sKKI|pzKKdppz", kwlist, &name, &cap, &page, &maxk, &checksum,
-                                     &dpath, &dcap, &dseg, &tmo, &unlink_last, &prefault, &huge))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "sKKI|pzKKdppzp", kwlist, &name, &cap, &page, &maxk, &checksum,
+                                     &dpath, &dcap, &dseg, &tmo, &unlink_last, &prefault, &huge,
+                                     &existing))
         return -1;
     p->huge_dir[0] = 0;
     p->huge_page = 0;
@@ -3045,7 +3060,7 @@ static int Pool_init(Pool *p, PyObject *args, PyObject *kw) {
     geom_t g = {cap / page * page, page, dcap, dseg < dcap / (MAX_SEGS / 2) ? dcap / (MAX_SEGS / 2) : dseg,
                 maxk, (uint32_t)checksum, dpath};
     p->unlink_on_last_close = unlink_last;
-    if (pool_open(p, name, &g, tmo, prefault) != 0) return -1;
+    if (pool_open(p, name, &g, tmo, prefault && !existing, existing) != 0) return -1;
     registry_add(p);
     return 0;
 }
@@ -4149,6 +4164,16 @@ static PyObject *Pool_get_shm_name(Pool *p, void *c) { return PyUnicode_FromStri
 static PyObject *Pool_get_collapsed(Pool *p, void *c) { return PyBool_FromLong(p->collapsed); }
 static PyObject *Pool_get_filling(Pool *p, void *c) { return PyBool_FromLong(p->filling && p->pid == getpid()); }
 static PyObject *Pool_get_created(Pool *p, void *c) { return PyBool_FromLong(p->created); }
+/* The options the pool was made with (its header's; fixed once it is ready). */
+static PyObject *Pool_get_made_with(Pool *p, void *c) {
+    if (!p->h) Py_RETURN_NONE;
+    const hdr_t *h = p->h;
+    return Py_BuildValue("{sKsKsIsOszsKsK}", "capacity", (unsigned long long)h->capacity, "page_size",
+                         (unsigned long long)h->page_size, "max_keys", h->max_keys, "checksum",
+                         h->checksum ? Py_True : Py_False, "disk_path", h->disk_path[0] ? h->disk_path : NULL,
+                         "disk_capacity", (unsigned long long)h->disk_capacity, "disk_segment_size",
+                         (unsigned long long)h->disk_seg_size);
+}
 static PyObject *Pool_get_closed(Pool *p, void *c) { return PyBool_FromLong(atomic_load(&p->closed) || !p->h); }
 
 static PyMethodDef Pool_methods[] = {
@@ -4196,6 +4221,9 @@ static PyMethodDef Pool_methods[] = {
 static PyGetSetDef Pool_getset[] = {
     {"shm_name", (getter)Pool_get_shm_name, NULL, NULL, NULL},
     {"created", (getter)Pool_get_created, NULL, NULL, "this process created the pool's segment"},
+    {"made_with", (getter)Pool_get_made_with, NULL, NULL,
+     "the options the pool was made with: capacity, page_size, max_keys, checksum, disk_path, disk_capacity, "
+     "disk_segment_size"},
     {"collapsed", (getter)Pool_get_collapsed, NULL, NULL,
      "MADV_COLLAPSE made 2 MiB pages of the arena through this handle (prefault, or as the pool fills)"},
     {"filling", (getter)Pool_get_filling, NULL, NULL,

@@ -32,6 +32,9 @@ from ascendstore.local.pages import SCATTERED_BELOW, DramPages, dram_pages, tmpf
 
 log = logging.getLogger(__name__)
 
+#: the options a pool keeps in its header, which a process opening it with existing_only takes
+_MADE_WITH = ("capacity", "page_size", "max_keys", "checksum", "disk_path", "disk_capacity", "disk_segment_size")
+
 #: pools from this size on get a start-up hint when /dev/shm gives them 4 KiB pages
 _PAGE_HINT_BYTES = 1 << 30
 
@@ -154,7 +157,8 @@ class LocalBackend(Backend):
     def create(cls, options: BackendOptions, ctx: BackendContext) -> LocalBackend:
         if not isinstance(options, LocalOptions):
             options = LocalOptions.model_validate(options.model_dump() if options else {})
-        if options.disk_path is not None:
+        existing = ctx.existing_only
+        if options.disk_path is not None and not existing:
             try:
                 os.makedirs(options.disk_path, exist_ok=True)
             except OSError as exc:
@@ -172,13 +176,20 @@ class LocalBackend(Backend):
                 options.disk_capacity if options.disk_path else 0,
                 options.effective_segment_size,
                 options.open_timeout_s,
-                options.unlink_on_last_close,
+                # (a tool that looked at a pool whose processes all died leaves it as it found it)
+                options.unlink_on_last_close and not existing,
                 options.prefault,
                 options.hugetlbfs,
+                existing,
             )
         except (OSError, ValueError) as exc:
             raise BackendSetupError(f"local backend (pool {options.name!r}): {exc}") from exc
         _OPEN.add(pool)
+        if existing:
+            # Opened as it was made: the options describe that pool, and a tool starts no thread.
+            made = pool.made_with
+            options = options.model_copy(update={k: made[k] for k in _MADE_WITH} | {"prefault": False})
+            return cls(pool, options, ctx)
         backend = cls(pool, options, ctx)
         if (options.hugetlbfs is None and options.capacity >= _PAGE_HINT_BYTES and not pool.collapsed
                 and tmpfs_huge("/dev/shm") == "never"):
