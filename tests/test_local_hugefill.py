@@ -151,6 +151,28 @@ def test_one_handle_at_a_time_makes_pages_and_the_role_passes_on_when_it_lets_go
 
 
 @needs_huge_never
+def test_a_handle_that_stops_stepping_has_the_role_taken_after_stale_s():
+    """A live holder that has not stepped for the asker's stale_s loses the role to it;
+    its own next step answers 3. Before that, the asker is told another fills."""
+    a = _open(capacity="1GiB", lazy_huge_pages=False)
+    b = _open(name=a.options.name, capacity="1GiB", lazy_huge_pages=False)
+    try:
+        assert a._pool.collapse_step(4)[2] == 0 and a._pool.filling
+        time.sleep(0.3)
+        assert b._pool.collapse_step(4, 30.0)[2] == 3  # 0.3 s without a step: not stale at 30 s
+        assert a._pool.collapse_step(4)[2] == 0 and a._pool.filling  # (a steps: its beat is fresh)
+        time.sleep(0.3)
+        assert b._pool.collapse_step(4, 0.1)[2] == 0 and b._pool.filling  # stale at 0.1 s: taken
+        assert a._pool.collapse_step(4)[2] == 3 and not a._pool.filling  # it finds it gone
+        assert b._pool.collapse_step(4)[2] == 0 and b._pool.filling
+        with pytest.raises(ValueError, match="stale_s"):
+            b._pool.collapse_step(4, 0.0)
+    finally:
+        a.close()
+        b.close()
+
+
+@needs_huge_never
 def test_a_forked_child_does_not_inherit_the_role():
     """A child forked from the process at work has its handle but not its role: the role
     belongs to the parent's slot. Once the child has a slot of its own (its first call),
@@ -188,8 +210,11 @@ _CREATOR = textwrap.dedent("""
     for i in range(16):
         v = np.random.default_rng(i).integers(0, 256, 1 << 20, dtype=np.uint8)
         assert be.put([f"c/{i}"], [[Region(v.ctypes.data, v.size)]], 5.0) == [Status.OK]
-    assert be.huge_page_filler.caught_up(60.0) and be.huge_page_filler.filling
+    filler = be.huge_page_filler
+    assert filler.caught_up(60.0) and filler.filling
     print("ready", flush=True)
+    for line in sys.stdin:  # each line asks whether its thread still does the work
+        print(filler.filling, filler.state, flush=True)
     time.sleep(600)
 """)
 
@@ -203,7 +228,8 @@ def test_a_process_that_attached_takes_over_when_the_one_at_work_is_killed():
     from ascendstore.local.pages import collapse_works
 
     name = "hf-" + uuid.uuid4().hex[:8]
-    child = subprocess.Popen([sys.executable, "-c", _CREATOR, name], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", _CREATOR, name], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, text=True)
     be = None
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "ready"
@@ -240,6 +266,63 @@ def test_a_process_that_attached_takes_over_when_the_one_at_work_is_killed():
             be.close()
 
 
+@needs_huge_never
+def test_a_process_stopped_while_at_work_has_the_role_taken_and_finds_it_gone_when_it_runs_again(monkeypatch):
+    """A process stopped (SIGSTOP: a paused container) while its thread does the work is
+    alive, so it would hold the role forever: once it has not stepped for _STALE_S, the
+    attached process's thread takes the role over. When the stopped one runs again its
+    thread finds the role gone and does not take it back from a holder at work."""
+    from ascendstore.local import hugefill
+
+    # (this process's thread judges staleness; the holder steps at least every 0.5 s)
+    monkeypatch.setattr(hugefill, "_STALE_S", 2.0)
+    monkeypatch.setattr(hugefill, "_OTHER_S", 0.2)
+    name = "hf-" + uuid.uuid4().hex[:8]
+    child = subprocess.Popen([sys.executable, "-c", _CREATOR, name], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
+
+    def child_fills() -> str:
+        child.stdin.write("?\n")
+        child.stdin.flush()
+        return child.stdout.readline().strip()
+
+    be = None
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        be = _open(name=name, capacity="1GiB")
+        filler = be.huge_page_filler
+        assert filler is not None and filler.caught_up(30.0)
+        time.sleep(3.0)  # beyond _STALE_S: a holder stepping as it should keeps the role
+        assert filler.caught_up(30.0) and filler.state == 3 and not filler.filling
+        assert child_fills() == "True 0"
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 30.0
+        while not filler.filling and time.monotonic() < deadline:
+            filler.caught_up(5.0)
+        assert filler.filling, filler.state  # taken from the stopped process
+        os.kill(child.pid, signal.SIGCONT)
+        deadline, answer = time.monotonic() + 30.0, ""
+        while answer != "False 3" and time.monotonic() < deadline:
+            time.sleep(0.2)
+            answer = child_fills()
+        assert answer == "False 3"  # it runs again, and another process does the work
+        time.sleep(1.0)
+        assert filler.filling and child_fills() == "False 3"
+        v = np.random.default_rng(7).integers(0, 256, 4 << 20, dtype=np.uint8)
+        assert be.put(["mine"], [[Region(v.ctypes.data, v.size)]], 5.0) == [Status.OK]
+        out = np.empty_like(v)
+        assert be.get(["mine"], [[Region(out.ctypes.data, out.size)]], 5.0) == [Status.OK]
+        assert np.array_equal(out, v)
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGCONT)
+            child.kill()
+            child.wait(30)
+        if be is not None:
+            be.close()
+
+
 class _FakePool:
     """Stands in for the native handle: scripted collapse_step answers."""
 
@@ -249,7 +332,7 @@ class _FakePool:
         self.filling = False
         self.releases = 0
 
-    def collapse_step(self, n: int):  # type: ignore[no-untyped-def]
+    def collapse_step(self, n: int, stale_s: float):  # type: ignore[no-untyped-def]
         self.calls += 1
         a = self.answers.pop(0) if self.answers else (0, self.last, 0)
         if isinstance(a, Exception):

@@ -109,8 +109,12 @@ typedef struct {
 } slot_t;
 
 /* The slot's process makes the pool's 2 MiB pages as it fills (collapse_step): one live
- * process at a time. Written under the pool lock. */
+ * process at a time. Taken, given up and taken over under the pool lock; the bits from
+ * SLOT_BEAT_SHIFT up hold when the holder last stepped (CLOCK_MONOTONIC ms, as pins: one
+ * clock for every process of the host), which it refreshes without the lock (a CAS that
+ * fails once the role was taken from it). */
 #define SLOT_FILLS 1ull
+#define SLOT_BEAT_SHIFT 16
 
 typedef struct {
     uint64_t magic;
@@ -2503,7 +2507,7 @@ static void prefault_arena(Pool *p) {
 
 /* ------------------------------------------------------------------ 2 MiB pages as the pool fills
  *
- * collapse_step(n) -> (stretches made 2 MiB pages, cursor in bytes, state)
+ * collapse_step(n[, stale_s]) -> (stretches made 2 MiB pages, cursor in bytes, state)
  *
  * A pool that is not prefaulted fills in 4 KiB pages as puts first touch them,
  * on a /dev/shm mounted huge=never (the usual mount): scattered over physical
@@ -2516,7 +2520,10 @@ static void prefault_arena(Pool *p) {
  * does the work (SLOT_FILLS on its slot, taken under the lock by the first call that
  * finds no live process holding it). When that process closes the pool or dies, the
  * next call of another takes over: a pool shared by engines outlives the one that
- * created it, and its later fill still gets 2 MiB pages. A process taking over walks
+ * created it, and its later fill still gets 2 MiB pages. The role is also taken from a
+ * holder alive but not stepping for stale_s (default 10: stopped by SIGSTOP or a paused
+ * container; its thread steps at least twice a second while it holds the role); once it
+ * runs again, its next step finds the role gone (state 3). A process taking over walks
  * from the start (its cursor is its own); stretches already made cost it a quick call.
  *
  * The arena fills upward: pages are handed out from the free list, which starts
@@ -2547,9 +2554,25 @@ static int stretch_in_memory(uint8_t *s) {
     return 0;
 }
 
+static inline uint64_t fill_beat_ms(void) { return now_ns() / 1000000ull; }
+
+/* A live holder that has not stepped for stale_ms is stopped (SIGSTOP, a paused
+ * container) or stuck: the role is taken from it. (A beat ahead of this clock, from a
+ * clock of another time namespace, counts as fresh; a holder of a build before the beat,
+ * which writes none, as stale: both then make pages, which is harmless.) */
+static int holder_fresh(uint64_t flags, uint64_t now_ms, uint64_t stale_ms) {
+    uint64_t beat = flags >> SLOT_BEAT_SHIFT;
+    return beat > now_ms || now_ms - beat <= stale_ms;
+}
+
 static PyObject *Pool_collapse_step(Pool *p, PyObject *args) {
     int n;
-    if (!PyArg_ParseTuple(args, "i", &n)) return NULL;
+    double stale_s = 10.0;
+    if (!PyArg_ParseTuple(args, "i|d", &n, &stale_s)) return NULL;
+    if (!(stale_s > 0)) {
+        PyErr_SetString(PyExc_ValueError, "stale_s must be > 0");
+        return NULL;
+    }
     if (enter(p) < 0) return Py_BuildValue("(iKi)", 0, 0ULL, 2);
     int made = 0, state = 0;
     uint8_t *arena = ARENA(p);
@@ -2560,16 +2583,30 @@ static PyObject *Pool_collapse_step(Pool *p, PyObject *args) {
         return Py_BuildValue("(iKi)", 0, (unsigned long long)p->fill_cursor, -1);
     }
     Py_BEGIN_ALLOW_THREADS
+    uint64_t now_ms = fill_beat_ms(), stale_ms = (uint64_t)(stale_s * 1000.0);
+    uint64_t *mine = &SLOTS(p)[p->slot].flags;
+    if (p->filling) { /* the beat, unless another process took the role from us meanwhile */
+        uint64_t f = __atomic_load_n(mine, __ATOMIC_ACQUIRE);
+        uint64_t beat = (f & ((1ull << SLOT_BEAT_SHIFT) - 1)) | (now_ms << SLOT_BEAT_SHIFT);
+        if (!(f & SLOT_FILLS) || !__atomic_compare_exchange_n(mine, &f, beat, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            p->filling = 0;
+    }
     if (!p->filling) {
         /* (a short wait: the lock is busy only for a moment, and a miss is tried again) */
         state = 3;
         if (pool_lock(p, now_mono() + 0.5) == ST_OK) {
             slot_t *S = SLOTS(p);
             int other = 0;
-            for (int s = 0; s < MAX_PROCS && !other; s++)
-                other = s != p->slot && (S[s].flags & SLOT_FILLS) && slot_alive(p, s);
+            for (int s = 0; s < MAX_PROCS && !other; s++) {
+                uint64_t f = __atomic_load_n(&S[s].flags, __ATOMIC_ACQUIRE);
+                if (s == p->slot || !(f & SLOT_FILLS) || !slot_alive(p, s)) continue;
+                if (holder_fresh(f, now_ms, stale_ms)) other = 1;
+                else __atomic_fetch_and(&S[s].flags, ~SLOT_FILLS, __ATOMIC_ACQ_REL); /* stopped: taken */
+            }
             if (!other) {
-                S[p->slot].flags |= SLOT_FILLS;
+                uint64_t f = __atomic_load_n(mine, __ATOMIC_ACQUIRE);
+                __atomic_store_n(mine, (f & ((1ull << SLOT_BEAT_SHIFT) - 1)) | SLOT_FILLS | (now_ms << SLOT_BEAT_SHIFT),
+                                 __ATOMIC_RELEASE);
                 p->filling = 1;
                 state = 0;
             }
@@ -2613,7 +2650,7 @@ static PyObject *Pool_collapse_release(Pool *p, PyObject *noargs) {
     if (p->filling && p->pid == getpid()) {
         Py_BEGIN_ALLOW_THREADS
         if ((st = pool_lock(p, now_mono() + 5.0)) == ST_OK) {
-            SLOTS(p)[p->slot].flags &= ~SLOT_FILLS;
+            __atomic_fetch_and(&SLOTS(p)[p->slot].flags, ~SLOT_FILLS, __ATOMIC_ACQ_REL);
             p->filling = 0;
             pool_unlock(p);
         }

@@ -19,7 +19,8 @@ Every process that opens the pool runs the thread; one live process at a time do
 the work, and the others' threads look again every few seconds. Engines sharing a pool
 outlive the one that created it (a rolling restart): when the process doing the work
 closes the pool or dies, another takes over, and the pool's later fill still gets
-2 MiB pages.
+2 MiB pages. So it does from a process stopped for seconds (``_STALE_S``) while it
+held the role; that one finds the role gone when it runs again.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ _STEP = 8
 _IDLE_MIN_S, _IDLE_MAX_S = 0.02, 0.5
 #: the wait while another process does the work: how soon one takes over from a process gone
 _OTHER_S = 2.0
+#: a process alive but not stepping this long while it holds the role (stopped: SIGSTOP, a
+#: paused container) has the role taken from it; a holder steps at least every _IDLE_MAX_S
+_STALE_S = 10.0
 
 #: the thread's nice value (Linux: per thread)
 _NICE = 10
@@ -84,7 +88,7 @@ class HugePageFiller:
                     return
                 try:
                     # (only this thread steps: the cursor is the handle's own)
-                    made, at, state = pool.collapse_step(_STEP)
+                    made, at, state = pool.collapse_step(_STEP, _STALE_S)
                     filling = pool.filling
                 except Exception:  # never takes the pool down: it just stays in 4 KiB pages
                     log.exception("local pool %r: making 2 MiB pages as it fills failed; it goes on in 4 KiB "
