@@ -97,16 +97,23 @@ class BackendFactory:
             instance_id=unique,
         )
 
-    def context(self, *, small: bool = False, role: str = "worker", rank: int = 0) -> BackendContext:
+    def context(
+        self, *, small: bool = False, role: str = "worker", rank: int = 0, existing_only: bool = False
+    ) -> BackendContext:
         instance = self.instance_id + ("-small" if small else "")
-        return BackendContext(role=role, rank=rank, instance_id=instance, timeout_s=self.timeout_s)
+        return BackendContext(
+            role=role, rank=rank, instance_id=instance, timeout_s=self.timeout_s, existing_only=existing_only
+        )
 
-    def open(self, *, small: bool = False, role: str = "worker", rank: int = 0) -> Backend:
-        """A new client of the store (the small one when ``small``)."""
+    def open(
+        self, *, small: bool = False, role: str = "worker", rank: int = 0, existing_only: bool = False
+    ) -> Backend:
+        """A new client of the store (the small one when ``small``; ``existing_only``: as a
+        tool that inspects it opens it, BackendContext.existing_only)."""
         config = self.small_config if small else self.config
         if small and config is None:
             raise ValueError("no small_config given")
-        ctx = self.context(small=small, role=role, rank=rank)
+        ctx = self.context(small=small, role=role, rank=rank, existing_only=existing_only)
         if self.by_entry_point:
             assert isinstance(self.target, str)
             return create_backend(self.target, dict(config or {}), ctx)

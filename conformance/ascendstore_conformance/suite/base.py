@@ -45,7 +45,7 @@ class ConformanceFixtures:
         """Opens more clients of the test's store; all are closed at teardown."""
         opened: list[Harness] = []
 
-        def open_(*, small: bool = False, rank: int = 0) -> Harness:
+        def open_(*, small: bool = False, rank: int = 0, existing_only: bool = False) -> Harness:
             if small and bound_factory.small_config is None:
                 pytest.skip(
                     f"no small_config for {bound_factory.name}: give --backend-small-config JSON (or "
@@ -54,7 +54,7 @@ class ConformanceFixtures:
             backend = guarded(
                 f"{bound_factory.name}.create()",
                 bound_factory.timeout_s,
-                lambda: bound_factory.open(small=small, rank=rank),
+                lambda: bound_factory.open(small=small, rank=rank, existing_only=existing_only),
             )
             h = Harness(backend, bound_factory.timeout_s, bound_factory.name, bound_factory.timeout_margin_s)
             opened.append(h)

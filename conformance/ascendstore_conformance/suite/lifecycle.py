@@ -175,6 +175,19 @@ class CloseReopenTests:
         second.put_ok({second.key("after"): after})
         second.assert_reads({second.key("after"): after})
 
+    def test_a_tool_opening_the_existing_store_sees_it(self, harness: Harness, open_client: OpenClient) -> None:
+        """``BackendContext.existing_only`` (``ascendstore pool``): with the store open, a
+        client opened so reads what the others wrote, and its own removal is seen by them."""
+        require(harness, "shared_across_processes")
+        items = {harness.key(f"t{i}"): pattern(f"t{i}", 3000 + i) for i in range(3)}
+        harness.put_ok(items)
+        tool = open_client(existing_only=True)
+        tool.prefix = harness.prefix
+        tool.assert_reads(items)
+        keys = list(items)
+        assert tool.remove(keys[:1]) == [OK], "a client opened existing_only could not remove a key"
+        assert harness.exists(keys) == [NOT_FOUND, OK, OK], "a removal by that client was not seen"
+
     def test_persistence_across_reopen(self, open_client: OpenClient) -> None:
         first = open_client()
         require(first, "persistent")
