@@ -246,6 +246,10 @@ class BackendSetupError(RuntimeError):
     """The backend could not be created. The message says what to fix."""
 
 
+class StoreNotFound(BackendSetupError):
+    """Opened with ``BackendContext.existing_only`` where there is no store to open."""
+
+
 @dataclass(frozen=True)
 class BackendContext:
     """Where the backend is being opened; lets it pick device, ports, segments."""
@@ -262,10 +266,10 @@ class BackendContext:
     #: default per-call timeout the core will enforce.
     timeout_s: float = 5.0
     #: open the store only if it exists, as it was made: set by tools that inspect a pool
-    #: (``ascendstore pool``). A backend that keeps its store in the memory of the processes
-    #: using it (``local``) raises BackendSetupError when there is none rather than make an
-    #: empty one, and takes the options the store was made with; a client of a service
-    #: connects as usual.
+    #: (``ascendstore pool``, ``doctor``). A backend that keeps its store in the memory of the
+    #: processes using it (``local``) raises StoreNotFound when there is none rather than
+    #: make an empty one, and takes the options the store was made with; a client of a
+    #: service connects as usual.
     existing_only: bool = False
 
 

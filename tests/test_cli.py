@@ -165,10 +165,28 @@ def test_doctor_says_what_is_wrong(tmp_path):
 
 
 def test_doctor_fits_the_object_to_a_small_pool():
-    tiny = json.dumps({"name": f"clitest-{uuid.uuid4().hex[:10]}", "capacity": "16KiB", "page_size": "4KiB"})
+    """No pool of that name is open: the checks run on one made for them, removed after."""
+    name = f"clitest-{uuid.uuid4().hex[:10]}"
+    tiny = json.dumps({"name": name, "capacity": "16KiB", "page_size": "4KiB"})
     res = run("doctor", "--backend", "local", "--backend-config", tiny)
     assert res.exit_code == 0, res.output
     assert "ok   put: 16384 bytes" in res.output
+    assert "no store was open under this configuration" in " ".join(res.output.split())
+    assert not [f for f in os.listdir("/dev/shm") if f.endswith(name)]
+
+
+def test_doctor_checks_the_pool_its_engines_made_given_only_its_name(pool):
+    """The engines' pool (8 MiB of 4 KiB pages) is checked as made, not refused for the
+    defaults' options, and is left as it was."""
+    backend, opts = pool
+    _put(backend, ["a.1"])
+    res = run("doctor", "--backend", "local", "--backend-config", json.dumps({"name": json.loads(opts)["name"]}))
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.output.split())
+    assert "capacity_bytes=8388608" in out and "page_size=4096" in out and "all checks passed" in out
+    assert "no store was open" not in out
+    stats = backend.stats()
+    assert stats["objects"] == 1 and stats["processes"] == 1
 
 
 # -- pool ------------------------------------------------------------------------------

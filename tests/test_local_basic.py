@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ascendstore import registry
-from ascendstore.contract import BackendContext, BackendSetupError, Region, Status
+from ascendstore.contract import BackendContext, BackendSetupError, Region, Status, StoreNotFound
 from ascendstore.errors import ConfigError
 from ascendstore.local.backend import LocalBackend
 from ascendstore.local.options import LocalOptions
@@ -424,7 +424,7 @@ def test_existing_only_opens_a_pool_as_it_was_made_and_makes_none(make_pool, tmp
     with other options than the tool was given is read as it is, not refused."""
     name = f"t-{uuid.uuid4().hex[:10]}"
     tool = BackendContext(existing_only=True)
-    with pytest.raises(BackendSetupError, match=f"ascendstore-pool.{name} does not exist"):
+    with pytest.raises(StoreNotFound, match=f"ascendstore-pool.{name} does not exist"):
         LocalBackend.create(LocalOptions(name=name), tool)
     assert not os.path.exists(f"/dev/shm/ascendstore-pool.{name}")
     assert not os.path.exists(f"/dev/shm/ascendstore-lock.{name}")

@@ -17,7 +17,7 @@ import numpy as np
 
 from ascendstore.cli.common import CallTimeout, backend_context, bounded, close_quietly, console
 from ascendstore.config import AscendStoreConfig
-from ascendstore.contract import Backend, Region, Status
+from ascendstore.contract import Backend, Region, Status, StoreNotFound
 from ascendstore.engine.health import read_states, state_dir
 from ascendstore.handoff import describe, halt_polling, round_trip_us
 from ascendstore.registry import create_backend, installed_backends, load_backend_class
@@ -219,18 +219,33 @@ def run_doctor(cfg: AscendStoreConfig) -> int:
         checks.fail("backend_config", str(exc))
         return _summary(checks)
     checks.ok("backend_config", "valid for " + cls.__name__)
-    ctx = backend_context(cfg)
+    ctx = backend_context(cfg, existing_only=True)
     backend = None
     try:
         try:
-            backend = bounded(
-                create_backend,
-                cfg.backend,
-                cfg.backend_config,
-                ctx,
-                timeout_s=max(10.0, 2 * ctx.timeout_s),
-                what="connect",
-            )
+            # The store as its engines made it, where it exists (a local pool under other
+            # options than the ones given is not refused); else one made for the checks.
+            made_here = ""
+            try:
+                backend = bounded(
+                    create_backend,
+                    cfg.backend,
+                    cfg.backend_config,
+                    ctx,
+                    timeout_s=max(10.0, 2 * ctx.timeout_s),
+                    what="connect",
+                )
+            except StoreNotFound as exc:
+                made_here = str(exc)
+                ctx = backend_context(cfg)
+                backend = bounded(
+                    create_backend,
+                    cfg.backend,
+                    cfg.backend_config,
+                    ctx,
+                    timeout_s=max(10.0, 2 * ctx.timeout_s),
+                    what="connect",
+                )
         except Exception as exc:
             checks.fail(f"connect to {cfg.backend!r}", f"{type(exc).__name__}: {exc}")
             return _summary(checks)
@@ -248,6 +263,9 @@ def run_doctor(cfg: AscendStoreConfig) -> int:
             if getattr(caps, k)
         ]
         checks.ok(f"connect to {cfg.backend!r}", "capabilities: " + (", ".join(shown) or "none declared"))
+        if made_here:
+            checks.note(f"no store was open under this configuration ({made_here}): the checks run on one "
+                        "made for them")
         try:
             health = bounded(backend.health, ctx.timeout_s, timeout_s=ctx.timeout_s + 5, what="health")
             if health.ok:

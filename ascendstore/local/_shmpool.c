@@ -2710,7 +2710,7 @@ static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int
     arena_path(p, where, sizeof where);
     double deadline = now_mono() + timeout_s;
     char err[1280] = {0}; /* room for the longest options message: two names and a disk path */
-    int ok = 0;
+    int ok = 0, missing = 0; /* missing: existing, and there is no pool (FileNotFoundError) */
     Py_BEGIN_ALLOW_THREADS
     for (int attempt = 0; attempt < 1000 && !ok && !err[0]; attempt++) {
         int created = 0;
@@ -2718,7 +2718,7 @@ static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int
         if (existing) {
             fd = arena_open(p, O_RDWR | O_CLOEXEC, 0600);
             if (fd < 0) {
-                if (errno == ENOENT)
+                if ((missing = errno == ENOENT))
                     snprintf(err, sizeof err,
                              "no such pool on this host: %s does not exist (no process has it open%s)",
                              where, p->huge_page ? "" : ", or it lives on hugetlbfs: give that option");
@@ -2932,7 +2932,7 @@ static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int
     if (!ok) {
         if (p->lock_fd >= 0) close(p->lock_fd);
         p->lock_fd = -1;
-        PyErr_SetString(PyExc_OSError, err[0] ? err : "could not open the pool");
+        PyErr_SetString(missing ? PyExc_FileNotFoundError : PyExc_OSError, err[0] ? err : "could not open the pool");
         return -1;
     }
     return 0;

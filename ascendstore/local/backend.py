@@ -24,6 +24,7 @@ from ascendstore.contract import (
     Region,
     RemovalEvent,
     Status,
+    StoreNotFound,
 )
 from ascendstore.local import _shmpool
 from ascendstore.local.hugefill import HugePageFiller
@@ -182,6 +183,8 @@ class LocalBackend(Backend):
                 options.hugetlbfs,
                 existing,
             )
+        except FileNotFoundError as exc:  # (existing_only)
+            raise StoreNotFound(f"local backend (pool {options.name!r}): {exc}") from exc
         except (OSError, ValueError) as exc:
             raise BackendSetupError(f"local backend (pool {options.name!r}): {exc}") from exc
         _OPEN.add(pool)
