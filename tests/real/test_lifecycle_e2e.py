@@ -4,7 +4,8 @@ Stopped gracefully (``--shutdown-timeout``), vLLM shuts its workers down and the
 connector closes the pool: the last user removes the pool's shared memory. With
 vLLM's default (0: SIGTERM aborts), the workers are killed before any connector
 shutdown and the pool stays in /dev/shm, kept for the next engine of that name
-(docs/local-backend.md); the test helper then lets it go.
+(docs/local-backend.md), as do the killed processes' health files; the test helper
+then lets both go.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def test_a_graceful_stop_closes_the_pool_and_an_abort_leaves_it(llama_model, doc
     finally:
         s.stop()
     assert s.pools_left == [], f"the connector's shutdown did not remove the pool:\n{s.log_tail()}"
+    assert s.health_files_left == [], "the connector's shutdown left its processes' health files"
     ours = [ln for ln in s.log_text().splitlines() if 'File "' in ln and "ascendstore" in ln]
     assert not ours, "a traceback through AscendStore at shutdown:\n" + s.log_tail(80)
 
@@ -40,3 +42,6 @@ def test_a_graceful_stop_closes_the_pool_and_an_abort_leaves_it(llama_model, doc
     s.stop()
     assert s.pools_left == [name], "vLLM's abort now closes connectors: update docs/local-backend.md"
     assert not pool_in_shm(name), "the helper's release left the pool"
+    # the scheduler's and the worker's, killed: the helper removes what they left
+    left = s.health_files_left
+    assert len(left) == 2 and any("-scheduler" in f for f in left) and any("-worker" in f for f in left), left

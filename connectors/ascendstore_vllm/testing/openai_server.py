@@ -86,6 +86,23 @@ def release_local_pool(options) -> None:  # type: ignore[no-untyped-def]
     LocalBackend.create(options, BackendContext()).close()
 
 
+def session_pids(sid: int) -> set[int]:
+    """The processes of session ``sid`` (a server started in a session of its own: its
+    engine core and workers are in it)."""
+    pids = set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # (its name may hold spaces)
+        except OSError:
+            continue
+        if len(fields) > 3 and int(fields[3]) == sid:
+            pids.add(int(d))
+    return pids
+
+
 def _token_id(tok: str) -> int:
     # with return_tokens_as_token_ids vLLM names each token "token_id:<id>"
     return int(tok.rsplit(":", 1)[1])
@@ -108,6 +125,9 @@ class VllmServer:
         self.shutdown_timeout_s = shutdown_timeout_s
         #: local pools of the config still in /dev/shm once the server exited (stop())
         self.pools_left: list[str] = []
+        #: health files its processes published and did not remove (a stop that killed
+        #: them): stop() names them here and removes them
+        self.health_files_left: list[str] = []
         # vLLM refuses to start unless one max-length request fits the device cache
         # (which also holds vLLM's null block).
         max_model_len = min(max_model_len, (num_blocks - 1) * BLOCK_SIZE)
@@ -183,6 +203,7 @@ class VllmServer:
         if self.proc is None or self.proc.poll() is not None:
             return
         self.resume()
+        members = session_pids(self.proc.pid)
         # SIGTERM to the server alone, as an operator's kill or a container stop sends
         # it: the server stops its engine core, which stops its workers.
         os.kill(self.proc.pid, signal.SIGTERM)
@@ -204,6 +225,20 @@ class VllmServer:
                 release_local_pool(o)
             except Exception as exc:  # a teardown: say so, do not mask the test's outcome
                 print(f"could not release local pool {o.name!r}: {exc}", file=sys.stderr)
+        self._remove_health_files(members)
+
+    def _remove_health_files(self, members: set[int]) -> None:
+        """A killed process leaves its health file (``ascendstore doctor`` calls it stale):
+        those of this server's processes go with it."""
+        from ascendstore.engine.health import read_states
+
+        for path, state, alive in read_states(self.env.get("VLLM_RPC_BASE_PATH")):
+            if not alive and int(state.get("pid", 0)) in members:
+                self.health_files_left.append(os.path.basename(path))
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
 
     def __enter__(self) -> VllmServer:
         return self.start()
