@@ -219,33 +219,24 @@ def run_doctor(cfg: AscendStoreConfig) -> int:
         checks.fail("backend_config", str(exc))
         return _summary(checks)
     checks.ok("backend_config", "valid for " + cls.__name__)
-    ctx = backend_context(cfg, existing_only=True)
+    ctx = backend_context(cfg)
     backend = None
+
+    def connect(existing_only: bool) -> Backend:
+        c = backend_context(cfg, existing_only=existing_only)
+        return bounded(create_backend, cfg.backend, cfg.backend_config, c,
+                       timeout_s=max(10.0, 2 * c.timeout_s), what="connect")
+
     try:
+        made_here = ""
         try:
             # The store as its engines made it, where it exists (a local pool under other
             # options than the ones given is not refused); else one made for the checks.
-            made_here = ""
             try:
-                backend = bounded(
-                    create_backend,
-                    cfg.backend,
-                    cfg.backend_config,
-                    ctx,
-                    timeout_s=max(10.0, 2 * ctx.timeout_s),
-                    what="connect",
-                )
+                backend = connect(existing_only=True)
             except StoreNotFound as exc:
                 made_here = str(exc)
-                ctx = backend_context(cfg)
-                backend = bounded(
-                    create_backend,
-                    cfg.backend,
-                    cfg.backend_config,
-                    ctx,
-                    timeout_s=max(10.0, 2 * ctx.timeout_s),
-                    what="connect",
-                )
+                backend = connect(existing_only=False)
         except Exception as exc:
             checks.fail(f"connect to {cfg.backend!r}", f"{type(exc).__name__}: {exc}")
             return _summary(checks)
@@ -264,8 +255,7 @@ def run_doctor(cfg: AscendStoreConfig) -> int:
         ]
         checks.ok(f"connect to {cfg.backend!r}", "capabilities: " + (", ".join(shown) or "none declared"))
         if made_here:
-            checks.note(f"no store was open under this configuration ({made_here}): the checks run on one "
-                        "made for them")
+            checks.note(f"the checks run on a store made for them: {made_here}")
         try:
             health = bounded(backend.health, ctx.timeout_s, timeout_s=ctx.timeout_s + 5, what="health")
             if health.ok:
