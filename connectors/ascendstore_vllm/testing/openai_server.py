@@ -128,6 +128,8 @@ class VllmServer:
         #: health files its processes published and did not remove (a stop that killed
         #: them): stop() names them here and removes them
         self.health_files_left: list[str] = []
+        #: the processes of its session when stop() began (the engine core, the workers)
+        self.session: set[int] = set()
         # vLLM refuses to start unless one max-length request fits the device cache
         # (which also holds vLLM's null block).
         max_model_len = min(max_model_len, (num_blocks - 1) * BLOCK_SIZE)
@@ -203,7 +205,7 @@ class VllmServer:
         if self.proc is None or self.proc.poll() is not None:
             return
         self.resume()
-        members = session_pids(self.proc.pid)
+        self.session = members = session_pids(self.proc.pid)
         # SIGTERM to the server alone, as an operator's kill or a container stop sends
         # it: the server stops its engine core, which stops its workers.
         os.kill(self.proc.pid, signal.SIGTERM)
