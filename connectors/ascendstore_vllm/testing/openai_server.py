@@ -87,8 +87,8 @@ def release_local_pool(options) -> None:  # type: ignore[no-untyped-def]
 
 
 def session_pids(sid: int) -> set[int]:
-    """The processes of session ``sid`` (a server started in a session of its own: its
-    engine core and workers are in it)."""
+    """The running processes of session ``sid`` (a server started in a session of its
+    own: its engine core and workers are in it); a zombie has exited."""
     pids = set()
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -98,7 +98,7 @@ def session_pids(sid: int) -> set[int]:
                 fields = f.read().rsplit(")", 1)[1].split()  # (its name may hold spaces)
         except OSError:
             continue
-        if len(fields) > 3 and int(fields[3]) == sid:
+        if len(fields) > 3 and int(fields[3]) == sid and fields[0] != "Z":
             pids.add(int(d))
     return pids
 
@@ -231,11 +231,16 @@ class VllmServer:
 
     def _remove_health_files(self, members: set[int]) -> None:
         """A killed process leaves its health file (``ascendstore doctor`` calls it stale):
-        those of this server's processes go with it."""
+        those of this server's processes go with it, once they have exited (a process
+        killed a moment ago may still be on its way out)."""
         from ascendstore.engine.health import read_states
 
-        for path, state, alive in read_states(self.env.get("VLLM_RPC_BASE_PATH")):
-            if not alive and int(state.get("pid", 0)) in members:
+        deadline = time.monotonic() + 10.0
+        while (running := session_pids(self.proc.pid if self.proc else -1)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for path, state, _ in read_states(self.env.get("VLLM_RPC_BASE_PATH")):
+            pid = int(state.get("pid", 0))
+            if pid in members and pid not in running:
                 self.health_files_left.append(os.path.basename(path))
                 try:
                     os.unlink(path)
