@@ -115,6 +115,7 @@ typedef struct {
  * fails once the role was taken from it). */
 #define SLOT_FILLS 1ull
 #define SLOT_BEAT_SHIFT 16
+#define SLOT_FLAG_BITS ((1ull << SLOT_BEAT_SHIFT) - 1)
 
 typedef struct {
     uint64_t magic;
@@ -2587,7 +2588,7 @@ static PyObject *Pool_collapse_step(Pool *p, PyObject *args) {
     uint64_t *mine = &SLOTS(p)[p->slot].flags;
     if (p->filling) { /* the beat, unless another process took the role from us meanwhile */
         uint64_t f = __atomic_load_n(mine, __ATOMIC_ACQUIRE);
-        uint64_t beat = (f & ((1ull << SLOT_BEAT_SHIFT) - 1)) | (now_ms << SLOT_BEAT_SHIFT);
+        uint64_t beat = (f & SLOT_FLAG_BITS) | (now_ms << SLOT_BEAT_SHIFT);
         if (!(f & SLOT_FILLS) || !__atomic_compare_exchange_n(mine, &f, beat, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
             p->filling = 0;
     }
@@ -2605,7 +2606,7 @@ static PyObject *Pool_collapse_step(Pool *p, PyObject *args) {
             }
             if (!other) {
                 uint64_t f = __atomic_load_n(mine, __ATOMIC_ACQUIRE);
-                __atomic_store_n(mine, (f & ((1ull << SLOT_BEAT_SHIFT) - 1)) | SLOT_FILLS | (now_ms << SLOT_BEAT_SHIFT),
+                __atomic_store_n(mine, (f & SLOT_FLAG_BITS) | SLOT_FILLS | (now_ms << SLOT_BEAT_SHIFT),
                                  __ATOMIC_RELEASE);
                 p->filling = 1;
                 state = 0;
@@ -2714,9 +2715,8 @@ static int pool_open(Pool *p, const char *name, geom_t *g, double timeout_s, int
     Py_BEGIN_ALLOW_THREADS
     for (int attempt = 0; attempt < 1000 && !ok && !err[0]; attempt++) {
         int created = 0;
-        int fd = existing ? -1 : arena_open(p, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        int fd = arena_open(p, O_RDWR | O_CLOEXEC | (existing ? 0 : O_CREAT | O_EXCL), 0600);
         if (existing) {
-            fd = arena_open(p, O_RDWR | O_CLOEXEC, 0600);
             if (fd < 0) {
                 if ((missing = errno == ENOENT))
                     snprintf(err, sizeof err,

@@ -205,7 +205,7 @@ class VllmServer:
         if self.proc is None or self.proc.poll() is not None:
             return
         self.resume()
-        self.session = members = session_pids(self.proc.pid)
+        self.session = session_pids(self.proc.pid)
         # SIGTERM to the server alone, as an operator's kill or a container stop sends
         # it: the server stops its engine core, which stops its workers.
         os.kill(self.proc.pid, signal.SIGTERM)
@@ -227,9 +227,9 @@ class VllmServer:
                 release_local_pool(o)
             except Exception as exc:  # a teardown: say so, do not mask the test's outcome
                 print(f"could not release local pool {o.name!r}: {exc}", file=sys.stderr)
-        self._remove_health_files(members)
+        self._remove_health_files()
 
-    def _remove_health_files(self, members: set[int]) -> None:
+    def _remove_health_files(self) -> None:
         """A killed process leaves its health file (``ascendstore doctor`` calls it stale):
         those of this server's processes go with it, once they have exited (a process
         killed a moment ago may still be on its way out)."""
@@ -240,7 +240,7 @@ class VllmServer:
             time.sleep(0.05)
         for path, state, _ in read_states(self.env.get("VLLM_RPC_BASE_PATH")):
             pid = int(state.get("pid", 0))
-            if pid in members and pid not in running:
+            if pid in self.session and pid not in running:
                 self.health_files_left.append(os.path.basename(path))
                 try:
                     os.unlink(path)
