@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import requests
 
 from ascendstore.loopback import free_port
@@ -90,16 +91,12 @@ def session_pids(sid: int) -> set[int]:
     """The running processes of session ``sid`` (a server started in a session of its
     own: its engine core and workers are in it); a zombie has exited."""
     pids = set()
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
+    for proc in psutil.process_iter(["status"]):
         try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # (its name may hold spaces)
-        except OSError:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(proc.pid) == sid:
+                pids.add(proc.pid)
+        except OSError:  # gone meanwhile
             continue
-        if len(fields) > 3 and int(fields[3]) == sid and fields[0] != "Z":
-            pids.add(int(d))
     return pids
 
 
