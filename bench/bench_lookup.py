@@ -41,7 +41,9 @@ median of ``--calls`` calls, ratios per round:
    what the Python around it costs, warm and cold, shows beside it; all six
    interleaved round by round. Parts 1 and 2 store only the prompt's chunks,
    one after the other: their entries sit side by side, which flatters a
-   lookup.
+   lookup. Like parts 1 and 2 this part runs in each of the ``--procs``
+   processes, and each figure is the median over processes: where the tables
+   land in memory differs from one process to the next.
 
     .venv/bin/python bench/bench_lookup.py [--json out.json] [--quick]
     .venv/bin/python bench/bench_lookup.py --layers 32     # layerwise keys: 32 objects per chunk
@@ -174,7 +176,9 @@ def part_crowded(args, keys: KeyBuilder, region) -> dict:  # type: ignore[no-unt
     qkeys = keys.lookup_keys_flat(tenant, [h.hex() for h in hs])[0]
     page = 4096  # one 4 KiB page per 64-byte object
     ctx = BackendContext(role="scheduler", instance_id=f"bench-crowd-{uuid.uuid4().hex[:8]}", timeout_s=5.0)
-    backend = create_backend("local", {"capacity": (args.crowd + len(qkeys) + 1024) * page, "page_size": page}, ctx)
+    # (a pool of its own: the parent's, of the default name, is open while children run this)
+    backend = create_backend("local", {"name": f"bench-crowd-{uuid.uuid4().hex[:8]}", "page_size": page,
+                                       "capacity": (args.crowd + len(qkeys) + 1024) * page}, ctx)
     guard = BackendGuard(backend, timeout_s=5.0)  # (closing it removes the pool)
     try:
         others = [f"crowd-{i}-{uuid.uuid4().hex}" for i in range(args.crowd)]
@@ -253,8 +257,9 @@ def _across(runs: list[dict], fixed: tuple[str, ...]) -> dict:
     return out
 
 
-def _in_processes(args) -> tuple[list[dict], dict | None]:
-    """The prompt rows and the scheduler part in ``args.procs`` fresh interpreters."""
+def _in_processes(args) -> tuple[list[dict], dict | None, dict | None]:
+    """The prompt rows, the scheduler part and the crowded pool in ``args.procs`` fresh
+    interpreters."""
     argv = list(sys.argv[1:])
     if "--json" in argv:  # the children print to stdout
         i = argv.index("--json")
@@ -276,7 +281,10 @@ def _in_processes(args) -> tuple[list[dict], dict | None]:
     if runs[0]["scheduler"] is not None:
         sched = _across([r["scheduler"] for r in runs], ("tokens", "blocks", "keys", "pins"))
         sched["ratio_by_level"] = _by_level([r["scheduler"] for r in runs])
-    return rows, sched
+    crowded = None
+    if runs[0]["crowded"] is not None:
+        crowded = _across([r["crowded"] for r in runs], ("tokens", "keys", "crowd", "evict_mib"))
+    return rows, sched, crowded
 
 
 def part_scheduler(args) -> dict:  # type: ignore[no-untyped-def]
@@ -449,7 +457,7 @@ def main() -> None:
     ap.add_argument("--crowd", type=int, default=200_000,
                     help="part 4: other objects beside the longest prompt's chunks (local backend; 0: skip the part)")
     ap.add_argument("--evict-mib", type=int, default=64, help="part 4: memory written before each cold call")
-    ap.add_argument("--procs", type=int, default=0, help="fresh processes for the prompt rows (0: 9, --quick: 1)")
+    ap.add_argument("--procs", type=int, default=0, help="fresh processes for parts 1, 2 and 4 (0: 9, --quick: 1)")
     ap.add_argument("--quick", action="store_true", help="fewer rounds and calls")
     ap.add_argument("--json", help="also write the results as JSON here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -470,23 +478,24 @@ def main() -> None:
     region = [Region(payload.ctypes.data, payload.nbytes)]
     native = hasattr(backend, "prefix_run")
     with_sched = args.backend == "local" and not args.layers
+    crowded = None
     try:
-        if args.child:
+        if args.child or args.procs <= 1:
             rows = part_prompts(args, backend, guard, keys, region)
-        elif args.procs > 1:
-            rows, sched = _in_processes(args)
         else:
-            rows = part_prompts(args, backend, guard, keys, region)
+            rows, sched, crowded = _in_processes(args)
         holes = part_holes(args, backend, guard, keys, region) if native and not args.child else []
     finally:
         guard.close()
-    crowded = None
-    if args.crowd > 0 and args.backend == "local" and not args.child:
-        crowded = part_crowded(args, keys, region)
     if args.child or args.procs <= 1:
+        # (a crowded pool's figures follow where its tables landed in memory, which
+        # changes from one process to the next: one process's 7 rounds moved 10-24%
+        # between two runs on a Zen 3 host, so, like parts 1 and 2, a median over processes)
+        if args.crowd > 0 and args.backend == "local":
+            crowded = part_crowded(args, keys, region)
         sched = part_scheduler(args) if with_sched else None
     if args.child:
-        print(json.dumps({"rows": rows, "scheduler": sched}))
+        print(json.dumps({"rows": rows, "scheduler": sched, "crowded": crowded}))
         return
     for r in [*rows, *([sched] if sched else [])]:
         if "per_round" in r:  # one process: its own rounds, split by level as the processes' are
