@@ -489,7 +489,7 @@ def main() -> None:
         guard.close()
     if args.child or args.procs <= 1:
         # (a crowded pool's figures follow where its tables landed in memory, which
-        # changes from one process to the next: one process's 7 rounds moved 10-24%
+        # changes from one process to the next: one process's 7 rounds moved 10–24%
         # between two runs on a Zen 3 host, so, like parts 1 and 2, a median over processes)
         if args.crowd > 0 and args.backend == "local":
             crowded = part_crowded(args, keys, region)
