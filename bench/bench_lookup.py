@@ -176,7 +176,7 @@ def part_crowded(args, keys: KeyBuilder, region) -> dict:  # type: ignore[no-unt
     qkeys = keys.lookup_keys_flat(tenant, [h.hex() for h in hs])[0]
     page = 4096  # one 4 KiB page per 64-byte object
     ctx = BackendContext(role="scheduler", instance_id=f"bench-crowd-{uuid.uuid4().hex[:8]}", timeout_s=5.0)
-    # (a pool of its own: the parent's, of the default name, is open while children run this)
+    # (a pool of its own: the parent's stays open while children run this)
     backend = create_backend("local", {"name": f"bench-crowd-{uuid.uuid4().hex[:8]}", "page_size": page,
                                        "capacity": (args.crowd + len(qkeys) + 1024) * page}, ctx)
     guard = BackendGuard(backend, timeout_s=5.0)  # (closing it removes the pool)
@@ -470,7 +470,8 @@ def main() -> None:
     ctx = BackendContext(role="scheduler", instance_id=f"bench-lookup-{uuid.uuid4().hex[:8]}", timeout_s=5.0)
     cfg = json.loads(args.backend_config)
     if args.backend == "local":
-        cfg = {"capacity": "64MiB", "page_size": "4KiB", **cfg}
+        # (a pool name of its own, as every bench's: never the default name an engine's pool may have)
+        cfg = {"name": f"bench-lookup-{uuid.uuid4().hex[:8]}", "capacity": "64MiB", "page_size": "4KiB", **cfg}
     backend = create_backend(args.backend, cfg, ctx)
     guard = BackendGuard(backend, timeout_s=5.0)
     keys = KeyBuilder(fingerprint="0" * 16, rank=RankPart(), layerwise=args.layers > 0, num_layers=max(1, args.layers))

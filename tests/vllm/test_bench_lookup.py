@@ -6,16 +6,33 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
+from ascendstore.contract import BackendContext, Region, Status
+from ascendstore.local.backend import LocalBackend
+from ascendstore.local.options import LocalOptions
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_lookup_in_two_processes_reports_every_figure(tmp_path):
     out = tmp_path / "lookup.json"
-    subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_lookup.py"), "--quick", "--procs", "2", "--max-tokens", "16384",
-         "--holes", "0.01", "--crowd", "3000", "--evict-mib", "8", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, check=True,
-    )
+    # An engine's pool of the default name, open with options of its own: the bench
+    # must leave it alone (opening it under the bench's options would be refused).
+    engines_pool = LocalBackend.create(LocalOptions(capacity=8 << 20, page_size=64 << 10), BackendContext())
+    kv = np.arange(256, dtype=np.uint8)
+    try:
+        assert engines_pool.put(["engine-kv"], [[Region(kv.ctypes.data, kv.nbytes)]], 5.0) == [Status.OK]
+        subprocess.run(
+            [sys.executable, str(ROOT / "bench" / "bench_lookup.py"), "--quick", "--procs", "2", "--max-tokens",
+             "16384", "--holes", "0.01", "--crowd", "3000", "--evict-mib", "8", "--json", str(out)],
+            capture_output=True, text=True, timeout=300, check=True,
+        )
+        back = np.zeros_like(kv)  # its object is still there, byte for byte
+        assert engines_pool.get(["engine-kv"], [[Region(back.ctypes.data, back.nbytes)]], 5.0) == [Status.OK]
+        assert (back == kv).all()
+    finally:
+        engines_pool.close()
     res = json.loads(out.read_text())
     assert [(r["tokens"], r["scenario"]) for r in res["rows"]] == [
         (t, s) for t in (4096, 16384) for s in ("hit", "half", "miss")]
