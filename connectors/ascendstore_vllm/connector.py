@@ -104,8 +104,6 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
             res = self.gr.get_num_new_matched_tokens(request, num_computed_tokens)
             if res is not None:
                 return res
-        elif self._gr_ignored is not None:
-            self._gr_ignored.check(request)
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -113,6 +111,10 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self.gr is not None and self.gr.claims(request):
             self.gr.update_state_after_alloc(request, num_external_tokens)
             return  # no chunk-pool tracker: the chunk pool neither loads nor saves it
+        if self._gr_ignored is not None:
+            # (here, once a request is scheduled, not at its lookups: those run for each
+            # waiting request every step, and a request is pooled only once it runs)
+            self._gr_ignored.check(request)
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
