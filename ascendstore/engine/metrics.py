@@ -110,7 +110,10 @@ class EngineMetrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._data: dict[str, float] = dict.fromkeys(self.fields, 0)
-        self._total: dict[str, float] = dict.fromkeys(self.fields, 0)
+        #: what earlier take()s returned, summed (gauges: their peak): totals() adds
+        #: ``_data`` to it, so add() writes one dict, not two (it runs for every
+        #: lookup and every transfer)
+        self._taken: dict[str, float] = dict.fromkeys(self.fields, 0)
         self._states: dict[str, float] = {}
         self._changed: set[str] = set()
 
@@ -121,10 +124,9 @@ class EngineMetrics:
         lock = self._lock
         lock.acquire()
         try:
-            data, total = self._data, self._total
+            data = self._data
             for k, v in deltas.items():
                 data[k] += v
-                total[k] += v
         finally:
             lock.release()
 
@@ -134,7 +136,6 @@ class EngineMetrics:
         key = labelled(name, value)
         with self._lock:
             self._data[key] = self._data.get(key, 0) + delta
-            self._total[key] = self._total.get(key, 0) + delta
 
     def set_state(self, **values: float) -> None:
         """A state gauge (``STATES``): reported in every take() from now on."""
@@ -144,29 +145,39 @@ class EngineMetrics:
                 if self._states.get(k) != v:
                     self._changed.add(k)
                 self._states[k] = v
-                self._total[k] = v
 
     def peak(self, **values: float) -> None:
         with self._lock:
             for k, v in values.items():
                 if v > self._data[k]:
                     self._data[k] = v
-                if v > self._total[k]:
-                    self._total[k] = v
 
     def take(self) -> dict[str, float]:
         """Counters since the last take (zeros dropped), then reset."""
         with self._lock:
             out = {k: v for k, v in self._data.items() if v}
+            self._fold(out)
             out.update({k: v for k, v in self._states.items() if v or k in self._changed})
             self._changed.clear()
             self._data = dict.fromkeys(self.fields, 0)
         return out
 
+    def _fold(self, data: dict[str, float]) -> None:
+        taken = self._taken
+        for k, v in data.items():
+            if k in GAUGES:
+                taken[k] = max(taken[k], v)
+            else:
+                taken[k] = taken.get(k, 0) + v
+
     def totals(self) -> dict[str, float]:
         """Counters since start (never reset); for tests and the CLI."""
         with self._lock:
-            return dict(self._total)
+            out = dict(self._taken)
+            for k, v in self._data.items():
+                out[k] = max(out[k], v) if k in GAUGES else out.get(k, 0) + v
+            out.update(self._states)
+            return out
 
     @staticmethod
     def merge(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:

@@ -189,9 +189,11 @@ class LookupPins:
         early. A list is kept as it is (the caller's own copy: a first lookup of a
         128k prompt copies 1024 hashes once, not twice)."""
         with self._lock:
-            self.expire()
+            now = self._clock()
+            if now >= self._next_expiry:  # (expire()'s own test, without its call: a lookup's cost)
+                self.expire()
             old = self._held.get(req_id)
-            expires = self._clock() + self.lease_s
+            expires = now + self.lease_s
             if old is not None and old.scope == tenant and old.run == run:
                 old.expires = expires  # the same run, pinned again
                 old.breaks = breaks

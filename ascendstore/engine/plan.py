@@ -57,13 +57,20 @@ class KeyBuilder:
         """Every object that must be present for this chunk to be loadable."""
         return [p + chunk_hash for p in self._lookup_prefixes(tenant)]
 
-    def lookup_keys_flat(self, tenant: str, chunk_hashes: Sequence[str]) -> tuple[list[str], int]:
-        """``lookup_keys`` of many chunks in one flat list, and the keys per chunk."""
+    def lookup_keys_flat(self, tenant: str, chunk_hashes: Sequence[str] | Sequence[bytes]) -> tuple[list[str], int]:
+        """``lookup_keys`` of many chunks in one flat list, and the keys per chunk.
+        Raw hashes (bytes, as vLLM's scheduler has them) stand for their hex."""
         prefixes = self._lookup_prefixes(tenant)
+        raw = bool(chunk_hashes) and isinstance(chunk_hashes[0], bytes)
         if len(prefixes) == 1:
             p = prefixes[0]
-            return [p + h for h in chunk_hashes], 1
-        return [p + h for h in chunk_hashes for p in prefixes], len(prefixes)
+            # (one pass, not a list of hex strings first: this is most of a lookup of
+            # a long prompt on a backend without a native scan)
+            return ([p + h.hex() for h in chunk_hashes] if raw  # type: ignore[union-attr]
+                    else [p + h for h in chunk_hashes]), 1  # type: ignore[operator]
+        if raw:
+            chunk_hashes = [h.hex() for h in chunk_hashes]  # type: ignore[union-attr]
+        return [p + h for h in chunk_hashes for p in prefixes], len(prefixes)  # type: ignore[operator]
 
     def _lookup_prefixes(self, tenant: str) -> list[str]:
         ranks = self.all_ranks or (self.rank,)
