@@ -8,7 +8,19 @@ of the hit's last chunk (vLLM keeps a state only at some boundaries).
 
 from __future__ import annotations
 
-from ascendstore_vllm.groups import GroupPlan, group_prefix_hits, needed_chunks
+import random
+
+from ascendstore_vllm.groups import (
+    GroupedKeyBuilder,
+    GroupLookup,
+    GroupPlan,
+    group_prefix_hits,
+    needed_chunks,
+)
+
+from ascendstore.contract import Status
+from ascendstore.engine import EngineMetrics
+from ascendstore.keys import RankPart
 
 BPC = 4  # blocks per chunk
 BS = 16
@@ -94,3 +106,74 @@ def test_state_layer_caches_become_one_layer_per_state_tensor() -> None:
              for n, t in flat.items()}
     assert spans["gdn#0"].block_bytes == 3 * 96 * 2 and spans["gdn#0"].block_stride == page
     assert spans["gdn#1"].runs == ((0, 2 * 8 * 8 * 4),) and spans["gdn#1"].base == raw.data_ptr() + 1024
+
+
+# -- the fast forms against the plain definitions they replaced ------------------------
+def _needed_by_definition(group, hit, start, bpc, end_block):
+    if group.kind == "full":
+        return list(range(start, hit))
+    first, _ = group.needed_blocks(end_block)
+    return [j for j in range(start, hit) if j == hit - 1 or (j + 1) * bpc > first]
+
+
+def _hits_by_definition(plans, present, start, bpc, last_end):
+    n = start + len(present[0])
+    for hit in range(n, start, -1):
+        end_block = last_end if hit == n else hit * bpc
+        if all(present[p.index][j - start] for p in plans
+               for j in _needed_by_definition(p, hit, start, bpc, end_block)):
+            return hit
+    return start
+
+
+def test_needed_chunks_and_hits_agree_with_their_definition_on_random_cases() -> None:
+    rng = random.Random(7)
+    for _ in range(3000):
+        bpc = rng.choice([1, 2, 4, 8])
+        plans = [plan(0, "full")] + [
+            plan(i, kind, None if kind == "state" else rng.randrange(1, 12) * BS)
+            for i, kind in enumerate(rng.choices(["sliding", "state", "full"], k=rng.randrange(0, 3)), start=1)
+        ]
+        n, start = rng.randrange(1, 12), rng.randrange(0, 4)
+        tail = rng.random() < 0.3  # the last chunk a partial one
+        last_end = (start + n - 1) * bpc + (rng.randrange(1, bpc) if tail and bpc > 1 else bpc)
+        density = rng.random()
+        present = [[rng.random() < density or (p.kind == "full" and rng.random() < 0.7) for _ in range(n)]
+                   for p in plans]
+        for p in plans:
+            for hit in range(start + 1, start + n + 1):
+                end_block = last_end if hit == start + n else hit * bpc
+                assert list(needed_chunks(plans, p, hit, start, bpc, end_block)) == \
+                    _needed_by_definition(p, hit, start, bpc, end_block), (p, hit, start, bpc, end_block)
+        assert group_prefix_hits(plans, present, start, bpc, last_end) == \
+            _hits_by_definition(plans, present, start, bpc, last_end), (plans, present, start, bpc, last_end)
+
+
+def test_group_lookup_needs_each_groups_object_on_every_rank() -> None:
+    # Two groups, two ranks: a chunk of a group is present when both ranks have its
+    # object. Answers are planted per key, in the order the lookup asks.
+    class Planted:
+        def __init__(self) -> None:
+            self.missing: set[str] = set()
+            self.metrics = EngineMetrics()
+            self.monitor = None
+
+        def exists(self, keys, timeout_s):
+            return [Status.NOT_FOUND if k in self.missing else Status.OK for k in keys]
+
+    kb = GroupedKeyBuilder("fp0", RankPart(0), all_ranks=(RankPart(0), RankPart(1)), group_fingerprints=("fp0", "fp1"))
+    guard = Planted()
+    plans = [plan(0, "full"), plan(1, "sliding", 2 * BS)]  # the window: the hit's last chunk only (BPC 4)
+    lk = GroupLookup(guard, kb, plans, BPC, 1.0, partial_tail=False)
+    hashes = [f"h{i}" for i in range(6)]
+    assert lk.prefix_hits("-", hashes) == 6
+    # rank 1's sliding object of chunk 5 gone: chunk 5 cannot be resumed; chunk 4's window is whole
+    guard.missing = {kb.group_lookup_prefixes("-", 1)[1] + "h5"}
+    assert lk.prefix_hits("-", hashes) == 5
+    # rank 0's full object of chunk 2 gone too: the run ends before it
+    guard.missing.add(kb.group_lookup_prefixes("-", 0)[0] + "h2")
+    assert lk.prefix_hits("-", hashes) == 2
+    # only the early sliding objects gone: not needed, the whole prompt hits
+    guard.missing = {kb.group_lookup_prefixes("-", 1)[r] + f"h{j}" for r in (0, 1) for j in range(4)}
+    assert lk.prefix_hits("-", hashes) == 6
+    assert lk.prefix_hits("-", hashes, start=2) == 6
