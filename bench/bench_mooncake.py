@@ -31,11 +31,21 @@ tensors do (64-byte aligned); ``--user-offset N`` moves them N bytes past one. U
 2026-12-05 they were numpy's, 16 bytes past a page, where glibc's ``memcpy`` into
 them runs slowly on AMD Zen 4: the raw get slower, our layer's share smaller.
 
+Lookups (``--lookup-chunks``, 1024 by default: a 128k-token prompt in 128-token
+chunks): the scheduler's question "how much of this prompt is pooled?" asked three
+ways of a prompt whose chunks are all stored, against the raw client's
+``batch_is_exist`` of the prompt's keys, prebuilt: the backend's ``exists`` of those
+keys with the exists cache off (``exists``) and with every answer fresh in it
+(``exists/cached``), and ``PoolLookup.prefix_hits`` given the chunks' raw hashes as
+vLLM's scheduler has them (``lookup``: keys built, one ``exists``, the first miss).
+Interleaved round by round like the transfers; ratios per round.
+
     .venv/bin/python bench/bench_mooncake.py [--rounds 5] [--batch 32] [--pin-cpu N] [--user-offset N] [--json]
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -55,6 +65,7 @@ from ascendstore.registry import create_backend
 KiB, MiB = 1 << 10, 1 << 20
 BATCH = 32  # objects per call (--batch); a synchronous load's call carries up to 64 MiB
 BATCHES = 15  # timed calls per sample (their median)
+LOOKUP_CALLS = 9  # timed lookups per sample (their median)
 #: the deadline the connector gives a call by default (timeout_ms 5000)
 TIMEOUT_S = 5.0
 app = typer.Typer(add_completion=False)
@@ -163,6 +174,57 @@ def _measure(size: int, rounds: int, address: str, batch: int = BATCH, pin_cpu: 
             "buffer_page_offsets": [src.ctypes.data % 4096, dst.ctypes.data % 4096]}
 
 
+def _measure_lookup(chunks: int, rounds: int, address: str) -> dict:
+    """A prompt of ``chunks`` stored chunks looked up three ways against the raw
+    client's batch_is_exist of its keys (the module doc)."""
+    from ascendstore.engine import BackendGuard, KeyBuilder, PoolLookup
+    from ascendstore.keys import RankPart, tenant_id
+
+    conf = {"master_server_address": address, "local_hostname": "127.0.0.1", "global_segment_size": 64 * MiB,
+            "local_buffer_size": 16 * MiB}
+    # (a worker's client: it lends the segment the prompt's objects are put in)
+    fresh = create_backend("mooncake", {**conf, "exists_cache_ttl_s": 0}, BackendContext(role="worker"))
+    # (a ttl far beyond the run: every answer stays fresh; the first call fills the cache)
+    cached = create_backend("mooncake", {**conf, "exists_cache_ttl_s": 3600}, BackendContext(role="scheduler"))
+    try:
+        raw = fresh._store
+        tenant = tenant_id("bench-lookup")
+        hashes = [hashlib.sha256(f"{tenant}/{i}".encode()).digest() for i in range(chunks)]
+        kb = KeyBuilder("bench-fp", RankPart(0))
+        keys, _ = kb.lookup_keys_flat(tenant, [h.hex() for h in hashes])
+        src = placed(64)
+        for i in range(0, len(keys), 256):
+            part = keys[i:i + 256]
+            assert fresh.put(part, [[Region(src.ctypes.data, 64)]] * len(part), 10.0) == [Status.OK] * len(part)
+        lookup = PoolLookup(BackendGuard(fresh, timeout_s=TIMEOUT_S), kb, TIMEOUT_S)
+        assert lookup.prefix_hits(tenant, hashes) == chunks
+        assert cached.exists(keys, TIMEOUT_S) == [Status.OK] * len(keys)
+
+        def timed(fn: Callable[[], object]) -> Callable[[], float]:
+            def run() -> float:
+                out = []
+                for _ in range(LOOKUP_CALLS):
+                    t0 = time.perf_counter()
+                    fn()
+                    out.append(time.perf_counter() - t0)
+                return statistics.median(out) * 1e6
+            return run
+
+        cases = {
+            "raw": timed(lambda: raw.batch_is_exist(keys)),
+            "exists": timed(lambda: fresh.exists(keys, TIMEOUT_S)),
+            "exists/cached": timed(lambda: cached.exists(keys, TIMEOUT_S)),
+            "lookup": timed(lambda: lookup.prefix_hits(tenant, hashes)),
+        }
+        s = interleave(cases, rounds, warmup=1)
+        raw.batch_remove(keys, True)
+    finally:
+        fresh.close()
+        cached.close()
+    return {"chunks": chunks, "keys": len(keys), "us": {k: stat(v).as_dict() for k, v in s.items()},
+            "ratio": {k: ratios(s[k], s["raw"]).as_dict() for k in ("exists", "exists/cached", "lookup")}}
+
+
 def _fmt(d: dict, digits: int = 2) -> str:
     return Stat(d["median"], d["min"], d["max"], d["n"]).fmt(digits)
 
@@ -177,6 +239,8 @@ def main(
                                        "CPUs): shows what a hand-off's wake-ups cost when they cross CPUs"),
     user_offset: int = typer.Option(0, "--user-offset", help="the caller's buffers start this many bytes past a "
                                     "page (0: as vLLM's KV; 16: where numpy puts a large array)"),
+    lookup_chunks: int = typer.Option(1024, "--lookup-chunks", min=0, max=1 << 16,
+                                      help="chunks of the prompt the lookup part asks about (0: no lookup part)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
     if not 0 <= user_offset < 4096:
@@ -192,11 +256,13 @@ def main(
         # (2 MiB objects only up to 64 MiB per call, as the engine batches them)
         sizes = [64 * KiB] + ([2 * MiB] if batch * 2 * MiB <= 64 * MiB else [])
         results = {size: _measure(size, rounds, address, batch, pin_cpu, user_offset) for size in sizes}
+        lookup = _measure_lookup(lookup_chunks, rounds, address) if lookup_chunks else None
     finally:
         master.kill()
         master.wait()
     if as_json:
-        print(json.dumps({"sizes": {str(k): v for k, v in results.items()}, "rounds": rounds, "batch": batch,
+        print(json.dumps({"sizes": {str(k): v for k, v in results.items()}, "lookup": lookup, "rounds": rounds,
+                          "batch": batch,
                           "pin_cpu": pin_cpu, "user_offset": user_offset,
                           "env_before": env0, "env_after": env_info()}, indent=2))
         return
@@ -216,6 +282,12 @@ def main(
             )
     con = Console(width=160)
     con.print(table)
+    if lookup is not None:
+        us, r = lookup["us"], lookup["ratio"]
+        con.print(f"lookup of a prompt of {lookup['chunks']} stored chunks ({lookup['keys']} keys), us median "
+                  f"\\[min..max] over {rounds} interleaved rounds: raw batch_is_exist {_fmt(us['raw'], 0)}; ours ÷ raw: "
+                  f"exists {_fmt(r['exists'])}, exists all cached {_fmt(r['exists/cached'])}, "
+                  f"PoolLookup from raw hashes {_fmt(r['lookup'])}")
     con.print(env_line(env0, env_info()))
 
 

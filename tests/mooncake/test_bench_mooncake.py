@@ -32,6 +32,17 @@ def test_bench_mooncake_reports_every_case_per_size_and_its_batch():
             assert 0 < g["min"] <= g["median"] <= g["max"]
         assert set(r["ratio"]) == set(r["ratio_thread"]) == {"put", "get"}
         assert r["inline_calls"] > 0  # "ours" ran on the calling thread, "thread" did not
+    lk = res["lookup"]
+    assert lk["chunks"] == lk["keys"] == 1024
+    assert set(lk["us"]) == {"raw", "exists", "exists/cached", "lookup"}
+    assert set(lk["ratio"]) == {"exists", "exists/cached", "lookup"}
+    assert all(0 < u["min"] <= u["median"] <= u["max"] for u in lk["us"].values())
+
+
+def test_bench_mooncake_lookup_part_can_be_left_out_or_sized():
+    assert _run("--batch", "2", "--lookup-chunks", "0")["lookup"] is None
+    lk = _run("--batch", "2", "--lookup-chunks", "16")["lookup"]
+    assert lk["chunks"] == lk["keys"] == 16
 
 
 def test_bench_mooncake_keeps_2mib_objects_to_64mib_calls():

@@ -229,6 +229,40 @@ def test_positive_exists_is_reused_instead_of_renewing_the_lease(open_backend) -
     assert b.exists(["ttl/k"], T) == [Status.NOT_FOUND]  # our own removal invalidates
 
 
+@pytest.mark.parametrize("ttl", [0, 30])
+def test_exists_and_pin_answer_each_key_of_a_mixed_batch_in_order(open_backend, ttl) -> None:
+    # exists and pin take C-level passes for the usual batch (every key valid, all
+    # asked or all cached) and per-key ones otherwise: every kind of key at once,
+    # in an order that would show an answer given to the wrong key.
+    b = open_backend(exists_cache_ttl_s=ttl)
+    src = payload(8, 512)
+    present = [f"mix/p{i}" for i in range(6)]
+    assert b.put(present, [[region(src)]] * 6, T) == [Status.OK] * 6
+    assert b.exists(present[:3], T) == [Status.OK] * 3  # (with a ttl: these three are now cached)
+    keys = ["mix/gone0", present[0], "", present[3], "x" * 5000, "mix/ключ", present[4], "mix/gone1", present[1]]
+    want = [Status.NOT_FOUND, Status.OK, Status.INVALID, Status.OK, Status.INVALID, Status.INVALID, Status.OK,
+            Status.NOT_FOUND, Status.OK]
+    hits = b.stats()["exists_cache_hits"]
+    assert b.exists(keys, T) == want
+    assert b.stats()["exists_cache_hits"] == hits + (2 if ttl else 0)  # present[0] and [1]; never a miss
+    assert b.pin(keys, 10.0, T) == want
+    assert b.stats()["exists_cache_hits"] == hits + (2 if ttl else 0)  # pins never read the cache
+    # A batch all present: every answer from the master, then (with a ttl) all from the cache.
+    assert b.exists(present, T) == [Status.OK] * 6
+    hits = b.stats()["exists_cache_hits"]
+    assert b.exists(present, T) == [Status.OK] * 6
+    assert b.stats()["exists_cache_hits"] == hits + (6 if ttl else 0)
+    assert b.pin(present, 10.0, T) == [Status.OK] * 6
+    # One of them removed: the cache no longer answers for it.
+    assert b.remove([present[5]], T) == [Status.OK]
+    assert b.exists(present, T) == [Status.OK] * 5 + [Status.NOT_FOUND]
+    assert b.exists([], T) == [] and b.pin([], 10.0, T) == []
+    # Batches whose keys all have a fine length, one of them not ASCII; one too long.
+    for odd in ("mix/ключ", "y" * 4097):
+        assert b.exists([present[0], odd, "mix/gone0"], T) == [Status.OK, Status.INVALID, Status.NOT_FOUND]
+        assert b.pin([odd, present[1]], 10.0, T) == [Status.INVALID, Status.OK]
+
+
 def test_scheduler_client_lends_no_memory_but_sees_keys(open_backend) -> None:
     w = open_backend()
     s = open_backend(role="scheduler")

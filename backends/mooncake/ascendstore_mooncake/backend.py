@@ -266,7 +266,8 @@ class MooncakeBackend(Backend):
 
     def _forget_on_failure(self, out: Sequence[Status | None]) -> None:
         # An unreachable master may come back empty: cached answers are then stale.
-        if any(s in (Status.UNAVAILABLE, Status.TIMEOUT) for s in out):
+        # (``in`` runs in C: a pass per key in Python was a sizeable share of a lookup)
+        if Status.UNAVAILABLE in out or Status.TIMEOUT in out:
             self._forget_all()
 
     def _forget(self, keys: Sequence[str]) -> None:
@@ -337,41 +338,49 @@ class MooncakeBackend(Backend):
     # -- data path ---------------------------------------------------------------------
 
     def exists(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
+        # Per-key Python was most of a long prompt's lookup here (the scheduler asks for
+        # every waiting request each step): the usual batch (every key valid, and all
+        # or none answered from the cache) makes only C-level passes over the keys
+        # (join, map, count); per-key loops are left for the rest.
         if self._guard.closed:
             return [Status.UNAVAILABLE] * len(keys)
-        out: list[Status | None] = [None if self._key_ok(k) else Status.INVALID for k in keys]
+        out = self._valid(keys)
         ttl = self.options.exists_cache_ttl_s
         now = time.monotonic()
         if ttl > 0:
+            cutoff = now - ttl
             with self._cache_lock:
-                for i, k in enumerate(keys):
-                    seen = self._exists_cache.get(k)
-                    if out[i] is None and seen is not None and now - seen < ttl:
-                        out[i] = Status.OK
-                        self._counters["exists_cache_hits"] += 1
-        ask = [i for i, s in enumerate(out) if s is None]
-        if ask:
-            names = [keys[i] for i in ask]
-            status, codes = self._guarded(lambda st: st.batch_is_exist(names), timeout_s)
-            for j, i in enumerate(ask):
-                if status is not None:
-                    out[i] = status
-                elif codes[j] == 1:
-                    out[i] = Status.OK
-                elif codes[j] == 0:
-                    out[i] = Status.NOT_FOUND
-                else:
-                    out[i] = status_of(codes[j]) if codes[j] < 0 else Status.UNAVAILABLE
-            self._forget_on_failure(out)
-            if ttl > 0:
+                seen = list(map(self._exists_cache.get, keys))
+            # (an invalid key is never cached: a fresh entry is a valid key's)
+            fresh = [t is not None and t > cutoff for t in seen]
+            hits = fresh.count(True)
+            if hits:
                 with self._cache_lock:
+                    self._counters["exists_cache_hits"] += hits
+                if hits == len(out):
+                    return [Status.OK] * hits
+                out = [Status.OK if f else s for f, s in zip(fresh, out, strict=True)]
+        ask = _unanswered(out)
+        if not ask:
+            return _filled(out, Status.UNAVAILABLE)
+        # (a list of its own: a call given up at its deadline may still run later)
+        names = list(keys) if len(ask) == len(keys) else [keys[i] for i in ask]
+        status, codes = self._guarded(lambda st: st.batch_is_exist(names), timeout_s)
+        whole = self._answer(out, ask, status, codes)
+        if not whole:
+            self._forget_on_failure(out)
+        if ttl > 0:
+            with self._cache_lock:
+                if whole:
+                    self._exists_cache.update(dict.fromkeys(names, now))
+                else:
                     for i in ask:
                         if out[i] is Status.OK:
                             self._exists_cache[keys[i]] = now
-                    if len(self._exists_cache) > 65536:  # bounded: drop the oldest half
-                        for k in sorted(self._exists_cache, key=self._exists_cache.get)[:32768]:
-                            del self._exists_cache[k]
-        return _filled(out, Status.UNAVAILABLE)
+                if len(self._exists_cache) > 65536:  # bounded: drop the oldest half
+                    for k in sorted(self._exists_cache, key=self._exists_cache.get)[:32768]:
+                        del self._exists_cache[k]
+        return out if whole else _filled(out, Status.UNAVAILABLE)  # type: ignore[return-value]
 
     def pin(self, keys: Sequence[str], lease_s: float, timeout_s: float) -> list[Status]:
         """Mooncake 0.3 cannot pin a stored object (soft and hard pins are set by
@@ -383,21 +392,53 @@ class MooncakeBackend(Backend):
         connector renews it at every lookup of a waiting request."""
         if self._guard.closed:
             return [Status.UNAVAILABLE] * len(keys)
-        out: list[Status | None] = [None if self._key_ok(k) else Status.INVALID for k in keys]
-        ask = [i for i, s in enumerate(out) if s is None]
-        if ask:
-            names = [keys[i] for i in ask]
-            status, codes = self._guarded(lambda st: st.batch_is_exist(names), timeout_s)
-            for j, i in enumerate(ask):
-                if status is not None:
-                    out[i] = status
-                else:
-                    c = codes[j]
-                    out[i] = Status.OK if c == 1 else Status.NOT_FOUND if c == 0 else (
-                        status_of(c) if c < 0 else Status.UNAVAILABLE)
-            self._forget_on_failure(out)
-            self._forget([keys[i] for i in ask if out[i] is Status.NOT_FOUND])
+        out = self._valid(keys)
+        ask = _unanswered(out)
+        if not ask:
+            return _filled(out, Status.UNAVAILABLE)
+        # (a list of its own: a call given up at its deadline may still run later)
+        names = list(keys) if len(ask) == len(keys) else [keys[i] for i in ask]
+        status, codes = self._guarded(lambda st: st.batch_is_exist(names), timeout_s)
+        if self._answer(out, ask, status, codes):
+            return out  # type: ignore[return-value]
+        self._forget_on_failure(out)
+        self._forget([keys[i] for i in ask if out[i] is Status.NOT_FOUND])
         return _filled(out, Status.UNAVAILABLE)
+
+    def _valid(self, keys: Sequence[str]) -> list[Status | None]:
+        """None for each key Mooncake takes, INVALID for the others (C-level passes
+        when every key is fine, as in every batch the engine makes: a str is ASCII
+        when a string of all of them is)."""
+        n = len(keys)
+        try:
+            if n and "".join(keys).isascii():
+                lengths = set(map(len, keys))
+                if min(lengths) > 0 and max(lengths) <= self._caps.max_key_bytes:
+                    return [None] * n
+        except TypeError:  # not all str: judged one by one
+            pass
+        return [None if self._key_ok(k) else Status.INVALID for k in keys]
+
+    @staticmethod
+    def _answer(out: list[Status | None], ask: Sequence[int], status: Status | None, codes: Any) -> bool:
+        """Fill ``out`` at ``ask`` from a batch_is_exist's codes (1 present, 0 absent,
+        < 0 an error), or with ``status`` when the whole call failed. True: every key
+        was asked and every one is present (``out`` all OK, the usual answer)."""
+        if status is None and codes.count(1) == len(ask):
+            if len(ask) == len(out):
+                out[:] = [Status.OK] * len(out)
+                return True
+            for i in ask:
+                out[i] = Status.OK
+            return False
+        for j, i in enumerate(ask):
+            if status is not None:
+                out[i] = status
+            else:
+                c = codes[j]
+                out[i] = Status.OK if c == 1 else Status.NOT_FOUND if c == 0 else (
+                    status_of(c) if c < 0 else Status.UNAVAILABLE)
+        return False
 
     def unpin(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
         """Nothing to send: Mooncake has no call that ends a read lease early; it
@@ -589,7 +630,19 @@ class _Hooks:
 
 def _filled(out: list[Status | None], default: Status) -> list[Status]:
     # Status.OK is 0, so never `s or default`
+    if None not in out:
+        return out  # type: ignore[return-value]  # (every answer given: no pass per key)
     return [default if s is None else s for s in out]
+
+
+def _unanswered(out: list[Status | None]) -> Sequence[int]:
+    """Indexes of the keys still to ask about (None in ``out``). ``count`` runs in C;
+    a batch all or none of which is answered (the usual ones) makes no pass per key
+    in Python."""
+    n = out.count(None)
+    if n == len(out):
+        return range(n)
+    return [i for i, s in enumerate(out) if s is None] if n else []
 
 
 _MASTER_DOWN = object()
