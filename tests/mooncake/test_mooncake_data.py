@@ -230,8 +230,8 @@ def test_positive_exists_is_reused_instead_of_renewing_the_lease(open_backend) -
 
 
 @pytest.mark.parametrize("ttl", [0, 30])
-def test_exists_and_pin_answer_each_key_of_a_mixed_batch_in_order(open_backend, ttl) -> None:
-    # exists and pin take C-level passes for the usual batch (every key valid, all
+def test_exists_pin_and_unpin_answer_each_key_of_a_mixed_batch_in_order(open_backend, ttl) -> None:
+    # exists, pin and unpin take C-level passes for the usual batch (every key valid, all
     # asked or all cached) and per-key ones otherwise: every kind of key at once,
     # in an order that would show an answer given to the wrong key.
     b = open_backend(exists_cache_ttl_s=ttl)
@@ -246,6 +246,7 @@ def test_exists_and_pin_answer_each_key_of_a_mixed_batch_in_order(open_backend, 
     assert b.exists(keys, T) == want
     assert b.stats()["exists_cache_hits"] == hits + (2 if ttl else 0)  # present[0] and [1]; never a miss
     assert b.pin(keys, 10.0, T) == want
+    assert b.unpin(keys, T) == [Status.INVALID if s is Status.INVALID else Status.OK for s in want]
     assert b.stats()["exists_cache_hits"] == hits + (2 if ttl else 0)  # pins never read the cache
     # A batch all present: every answer from the master, then (with a ttl) all from the cache.
     assert b.exists(present, T) == [Status.OK] * 6
@@ -261,6 +262,7 @@ def test_exists_and_pin_answer_each_key_of_a_mixed_batch_in_order(open_backend, 
     for odd in ("mix/ключ", "y" * 4097):
         assert b.exists([present[0], odd, "mix/gone0"], T) == [Status.OK, Status.INVALID, Status.NOT_FOUND]
         assert b.pin([odd, present[1]], 10.0, T) == [Status.INVALID, Status.OK]
+        assert b.unpin([present[1], odd], T) == [Status.OK, Status.INVALID]
 
 
 def test_scheduler_client_lends_no_memory_but_sees_keys(open_backend) -> None:

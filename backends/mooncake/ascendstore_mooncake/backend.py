@@ -445,7 +445,7 @@ class MooncakeBackend(Backend):
         lapses at the master's TTL (the object is evictable again then)."""
         if self._guard.closed:
             return [Status.UNAVAILABLE] * len(keys)
-        return [Status.OK if self._key_ok(k) else Status.INVALID for k in keys]
+        return _filled(self._valid(keys), Status.OK)  # (every valid key: OK)
 
     def put(self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float) -> list[Status]:
         out, send, names, ptrs, sizes, _ = self._arguments(keys, regions)
