@@ -186,6 +186,7 @@ def _measure_lookup(chunks: int, rounds: int, address: str) -> dict:
     fresh = create_backend("mooncake", {**conf, "exists_cache_ttl_s": 0}, BackendContext(role="worker"))
     # (a ttl far beyond the run: every answer stays fresh; the first call fills the cache)
     cached = create_backend("mooncake", {**conf, "exists_cache_ttl_s": 3600}, BackendContext(role="scheduler"))
+    guard = BackendGuard(fresh, timeout_s=TIMEOUT_S)  # (the engine's: closing it closes ``fresh``)
     try:
         raw = fresh._store
         tenant = tenant_id("bench-lookup")
@@ -196,7 +197,7 @@ def _measure_lookup(chunks: int, rounds: int, address: str) -> dict:
         for i in range(0, len(keys), 256):
             part = keys[i:i + 256]
             assert fresh.put(part, [[Region(src.ctypes.data, 64)]] * len(part), 10.0) == [Status.OK] * len(part)
-        lookup = PoolLookup(BackendGuard(fresh, timeout_s=TIMEOUT_S), kb, TIMEOUT_S)
+        lookup = PoolLookup(guard, kb, TIMEOUT_S)
         assert lookup.prefix_hits(tenant, hashes) == chunks
         assert cached.exists(keys, TIMEOUT_S) == [Status.OK] * len(keys)
 
@@ -219,7 +220,7 @@ def _measure_lookup(chunks: int, rounds: int, address: str) -> dict:
         s = interleave(cases, rounds, warmup=1)
         raw.batch_remove(keys, True)
     finally:
-        fresh.close()
+        guard.close()
         cached.close()
     return {"chunks": chunks, "keys": len(keys), "us": {k: stat(v).as_dict() for k, v in s.items()},
             "ratio": {k: ratios(s[k], s["raw"]).as_dict() for k in ("exists", "exists/cached", "lookup")}}
