@@ -363,10 +363,7 @@ class MooncakeBackend(Backend):
         ask = _unanswered(out)
         if not ask:
             return _filled(out, Status.UNAVAILABLE)
-        # (a list of its own: a call given up at its deadline may still run later)
-        names = list(keys) if len(ask) == len(keys) else [keys[i] for i in ask]
-        status, codes = self._guarded(lambda st: st.batch_is_exist(names), timeout_s)
-        whole = self._answer(out, ask, status, codes)
+        names, whole = self._is_exist(keys, out, ask, timeout_s)
         if not whole:
             self._forget_on_failure(out)
         if ttl > 0:
@@ -396,10 +393,7 @@ class MooncakeBackend(Backend):
         ask = _unanswered(out)
         if not ask:
             return _filled(out, Status.UNAVAILABLE)
-        # (a list of its own: a call given up at its deadline may still run later)
-        names = list(keys) if len(ask) == len(keys) else [keys[i] for i in ask]
-        status, codes = self._guarded(lambda st: st.batch_is_exist(names), timeout_s)
-        if self._answer(out, ask, status, codes):
+        if self._is_exist(keys, out, ask, timeout_s)[1]:
             return out  # type: ignore[return-value]
         self._forget_on_failure(out)
         self._forget([keys[i] for i in ask if out[i] is Status.NOT_FOUND])
@@ -418,6 +412,15 @@ class MooncakeBackend(Backend):
         except TypeError:  # not all str: judged one by one
             pass
         return [None if self._key_ok(k) else Status.INVALID for k in keys]
+
+    def _is_exist(self, keys: Sequence[str], out: list[Status | None], ask: Sequence[int],
+                  timeout_s: float) -> tuple[list[str], bool]:
+        """One batch_is_exist of the keys at ``ask``, its answers put in ``out``;
+        returns the names asked and whether every key was asked and is present."""
+        # (a list of its own: a call given up at its deadline may still run later)
+        names = list(keys) if len(ask) == len(keys) else [keys[i] for i in ask]
+        status, codes = self._guarded(lambda st: st.batch_is_exist(names), timeout_s)
+        return names, self._answer(out, ask, status, codes)
 
     @staticmethod
     def _answer(out: list[Status | None], ask: Sequence[int], status: Status | None, codes: Any) -> bool:
