@@ -32,13 +32,15 @@ tensors do (64-byte aligned); ``--user-offset N`` moves them N bytes past one. U
 them runs slowly on AMD Zen 4: the raw get slower, our layer's share smaller.
 
 Lookups (``--lookup-chunks``, 1024 by default: a 128k-token prompt in 128-token
-chunks): the scheduler's question "how much of this prompt is pooled?" asked three
+chunks): the scheduler's question "how much of this prompt is pooled?" asked four
 ways of a prompt whose chunks are all stored, against the raw client's
 ``batch_is_exist`` of the prompt's keys, prebuilt: the backend's ``exists`` of those
 keys with the exists cache off (``exists``) and with every answer fresh in it
-(``exists/cached``), and ``PoolLookup.prefix_hits`` given the chunks' raw hashes as
-vLLM's scheduler has them (``lookup``: keys built, one ``exists``, the first miss).
-Interleaved round by round like the transfers; ratios per round.
+(``exists/cached``); ``PoolLookup.prefix_hits`` given the chunks' raw hashes as
+vLLM's scheduler has them (``lookup``: keys built, one ``exists``, the first miss);
+and a new request's first lookup with pins on (``lookup/pinned``: a request id each
+time, the exists cache off, its pins let go of outside the timing). Interleaved
+round by round like the transfers; ratios per round.
 
     .venv/bin/python bench/bench_mooncake.py [--rounds 5] [--batch 32] [--pin-cpu N] [--user-offset N] [--json]
 """
@@ -199,6 +201,10 @@ def _measure_lookup(chunks: int, rounds: int, address: str) -> dict:
             assert fresh.put(part, [[Region(src.ctypes.data, 64)]] * len(part), 10.0) == [Status.OK] * len(part)
         lookup = PoolLookup(guard, kb, TIMEOUT_S)
         assert lookup.prefix_hits(tenant, hashes) == chunks
+        # (a lease far beyond the run; each timed lookup is a new request's first)
+        pinning = PoolLookup(guard, kb, TIMEOUT_S, pin_lease_s=60.0)
+        assert pinning.pins is not None
+        requests = iter(range(10**9))
         assert cached.exists(keys, TIMEOUT_S) == [Status.OK] * len(keys)
 
         def timed(fn: Callable[[], object]) -> Callable[[], float]:
@@ -211,11 +217,23 @@ def _measure_lookup(chunks: int, rounds: int, address: str) -> dict:
                 return statistics.median(out) * 1e6
             return run
 
+        def first_pinned() -> float:
+            out = []
+            for _ in range(LOOKUP_CALLS):
+                req = f"req-{next(requests)}"
+                t0 = time.perf_counter()
+                hits = pinning.prefix_hits(tenant, hashes, req_id=req)
+                out.append(time.perf_counter() - t0)
+                assert hits == chunks and pinning.pins.holding(req)
+                pinning.pins.release(req)  # (outside the timing: the request's load ended)
+            return statistics.median(out) * 1e6
+
         cases = {
             "raw": timed(lambda: raw.batch_is_exist(keys)),
             "exists": timed(lambda: fresh.exists(keys, TIMEOUT_S)),
             "exists/cached": timed(lambda: cached.exists(keys, TIMEOUT_S)),
             "lookup": timed(lambda: lookup.prefix_hits(tenant, hashes)),
+            "lookup/pinned": first_pinned,
         }
         s = interleave(cases, rounds, warmup=1)
         raw.batch_remove(keys, True)
@@ -223,7 +241,8 @@ def _measure_lookup(chunks: int, rounds: int, address: str) -> dict:
         guard.close()
         cached.close()
     return {"chunks": chunks, "keys": len(keys), "us": {k: stat(v).as_dict() for k, v in s.items()},
-            "ratio": {k: ratios(s[k], s["raw"]).as_dict() for k in ("exists", "exists/cached", "lookup")}}
+            "ratio": {k: ratios(s[k], s["raw"]).as_dict() for k in ("exists", "exists/cached", "lookup",
+                                                                         "lookup/pinned")}}
 
 
 def _fmt(d: dict, digits: int = 2) -> str:
@@ -288,7 +307,8 @@ def main(
         con.print(f"lookup of a prompt of {lookup['chunks']} stored chunks ({lookup['keys']} keys), us median "
                   f"\\[min..max] over {rounds} interleaved rounds: raw batch_is_exist {_fmt(us['raw'], 0)}; ours ÷ raw: "
                   f"exists {_fmt(r['exists'])}, exists all cached {_fmt(r['exists/cached'])}, "
-                  f"PoolLookup from raw hashes {_fmt(r['lookup'])}")
+                  f"PoolLookup from raw hashes {_fmt(r['lookup'])}, a request's first lookup with pins on "
+                  f"{_fmt(r['lookup/pinned'])}")
     con.print(env_line(env0, env_info()))
 
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 from ascendstore.contract import Status
@@ -163,22 +164,35 @@ class LookupPins:
         else:
             bad = next(i for i, s in enumerate(statuses) if s is not Status.OK)
         chunks = bad // width if width else 0
-        kept = list(keys[: chunks * width])
         if chunks * width != len(keys):
             run = None  # less than counted is held: not the run the lookup named
-        # Found and pinned, but past the counted run: not this request's to hold.
-        extra = [k for k, s in zip(keys[chunks * width :], statuses[chunks * width :], strict=False)
-                 if s is Status.OK]
+        self.pinned(req_id, keys, width, statuses, chunks, run)
+        return chunks
+
+    def pinned(self, req_id: str, keys: Sequence[str], width: int, statuses: Sequence[Status], chunks: int,
+               run: tuple | None) -> None:
+        """``guard.pin(keys)`` answered ``statuses`` (``width`` keys per chunk): hold
+        the keys of the first ``chunks`` chunks for ``req_id`` (the run ``run`` names;
+        None: not a run a lookup counted), replacing its earlier holding. Keys it
+        pinned past them are not this request's to hold: they are let go of. For a
+        caller that pinned through the guard itself, under ``pinning()`` (a lookup
+        whose ``exists`` is the pin: PoolLookup)."""
+        cut = chunks * width
+        kept = list(keys[:cut])
+        rest = statuses[cut:]
+        # (``in`` runs in C: past a miss at the first chunk of 1024 there is usually nothing)
+        extra = [k for k, s in zip(keys[cut:], rest, strict=False) if s is Status.OK] if Status.OK in rest else []
         with self._lock:
+            now = self._clock()
+            if now >= self._next_expiry:  # (expire()'s own test, without its call: a lookup's cost)
+                self.expire()
             old = self._held.get(req_id)
             if old is not None and old.scope is None and old.units == kept and not extra:
                 # A waiting request looked up again, same chunks: renew, nothing to recount.
-                old.expires = self._clock() + self.lease_s
+                old.expires = now + self.lease_s
                 old.run = run
-                return chunks
-            self._replace(req_id, _Holding(kept, width, self._clock() + self.lease_s, run) if kept else None,
-                          extra)
-        return chunks
+                return
+            self._replace(req_id, _Holding(kept, width, now + self.lease_s, run) if kept else None, extra)
 
     def took(self, req_id: str, tenant: str, hashes: Sequence, run: tuple, breaks: int = -1) -> None:
         """The native scan pinned ``hashes`` (the chunks it counted, of ``tenant``,
@@ -296,7 +310,20 @@ class LookupPins:
         out = drop.setdefault(h.scope, [])
         if h.scope is None:
             refs = self._refs
-            for k in units:
+            # Keys counted once are this holding's alone (a key in it twice counts 2):
+            # usually every key, or all after a leading run other requests share (a
+            # system prompt). Those go in C-level passes; a key at a time was ~0.7 us
+            # (Counter's __delitem__ is Python), ~0.5-0.9 ms to release a 128k
+            # prompt's 1024 keys on the scheduler's thread.
+            counts = list(map(refs.__getitem__, reversed(units)))
+            alone = len(counts) if counts.count(1) == len(counts) else min(
+                map(counts.index, set(counts) - {1}))
+            cut = len(units) - alone
+            if alone:
+                gone = units[cut:]
+                deque(map(dict.__delitem__, repeat(refs), gone), maxlen=0)
+                out.extend(gone)
+            for k in units[:cut]:
                 n = refs[k] - 1
                 if n <= 0:
                     del refs[k]

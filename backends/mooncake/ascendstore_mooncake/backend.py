@@ -366,18 +366,25 @@ class MooncakeBackend(Backend):
         names, whole = self._is_exist(keys, out, ask, timeout_s)
         if not whole:
             self._forget_on_failure(out)
-        if ttl > 0:
-            with self._cache_lock:
-                if whole:
-                    self._exists_cache.update(dict.fromkeys(names, now))
-                else:
-                    for i in ask:
-                        if out[i] is Status.OK:
-                            self._exists_cache[keys[i]] = now
-                if len(self._exists_cache) > 65536:  # bounded: drop the oldest half
-                    for k in sorted(self._exists_cache, key=self._exists_cache.get)[:32768]:
-                        del self._exists_cache[k]
+        self._remember(keys, names, out, ask, whole, now)
         return out if whole else _filled(out, Status.UNAVAILABLE)  # type: ignore[return-value]
+
+    def _remember(self, keys: Sequence[str], names: list[str], out: list[Status | None], ask: Sequence[int],
+                  whole: bool, now: float) -> None:
+        """Cache the present answers of a batch_is_exist (``names``, the keys at
+        ``ask``; ``whole``: all keys asked, all present) for ``exists_cache_ttl_s``."""
+        if self.options.exists_cache_ttl_s <= 0:
+            return
+        with self._cache_lock:
+            if whole:
+                self._exists_cache.update(dict.fromkeys(names, now))
+            else:
+                for i in ask:
+                    if out[i] is Status.OK:
+                        self._exists_cache[keys[i]] = now
+            if len(self._exists_cache) > 65536:  # bounded: drop the oldest half
+                for k in sorted(self._exists_cache, key=self._exists_cache.get)[:32768]:
+                    del self._exists_cache[k]
 
     def pin(self, keys: Sequence[str], lease_s: float, timeout_s: float) -> list[Status]:
         """Mooncake 0.3 cannot pin a stored object (soft and hard pins are set by
@@ -386,18 +393,23 @@ class MooncakeBackend(Backend):
         of exactly these keys that always reaches the master (never the exists
         cache, whose answers renew nothing). The lease lasts the master's
         --default_kv_lease_ttl (10 s by default) whatever ``lease_s`` asks; the
-        connector renews it at every lookup of a waiting request."""
+        connector renews it once half of its own lease is gone. Its present
+        answers fill the exists cache as an ``exists`` does (a request's first
+        lookup is this call alone: its next lookup a step later then asks no
+        one)."""
         if self._guard.closed:
             return [Status.UNAVAILABLE] * len(keys)
         out = self._valid(keys)
         ask = _unanswered(out)
         if not ask:
             return _filled(out, Status.UNAVAILABLE)
-        if self._is_exist(keys, out, ask, timeout_s)[1]:
-            return out  # type: ignore[return-value]
-        self._forget_on_failure(out)
-        self._forget([keys[i] for i in ask if out[i] is Status.NOT_FOUND])
-        return _filled(out, Status.UNAVAILABLE)
+        now = time.monotonic()
+        names, whole = self._is_exist(keys, out, ask, timeout_s)
+        if not whole:
+            self._forget_on_failure(out)
+            self._forget([keys[i] for i in ask if out[i] is Status.NOT_FOUND])
+        self._remember(keys, names, out, ask, whole, now)
+        return out if whole else _filled(out, Status.UNAVAILABLE)  # type: ignore[return-value]
 
     def _valid(self, keys: Sequence[str]) -> list[Status | None]:
         """None for each key Mooncake takes, INVALID for the others (C-level passes

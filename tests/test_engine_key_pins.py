@@ -1,0 +1,202 @@
+"""Lookup pins on a backend without a native scan (Mooncake's shape): the real
+local pool behind the ``faulty`` wrapper, which hides the pool's scan, so pins go
+through ``pin``/``unpin`` of key strings. A request's first lookup is one ``pin``
+call that answers and pins; keys pinned past the first miss are let go of; the
+ledger's per-key counts stay exact when requests share keys and let go in any
+order."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from ascendstore.chaos.faulty import FaultyBackend, FaultyOptions
+from ascendstore.contract import BackendContext, Region, Status
+from ascendstore.engine import BackendGuard, PoolLookup
+from ascendstore.engine.pins import LookupPins
+from ascendstore.engine.plan import KeyBuilder, RankPart
+from ascendstore.local import _shmpool
+from ascendstore.local.backend import LocalBackend
+from ascendstore.local.options import LocalOptions
+
+KiB, MiB = 1 << 10, 1 << 20
+OBJ = 16 * KiB
+T = 5.0
+
+
+@pytest.fixture
+def pool():
+    name = f"kpin-{uuid.uuid4().hex[:10]}"
+    be = LocalBackend.create(LocalOptions(name=name, capacity=2 * MiB, page_size=16 * KiB), BackendContext())
+    yield be
+    be.destroy()
+    _shmpool.unlink(name)
+
+
+def _put(be: LocalBackend, keys: list[str]) -> None:
+    buf = np.full(OBJ, 3, np.uint8)
+    assert be.put(keys, [[Region(buf.ctypes.data, OBJ)]] * len(keys), T) == [Status.OK] * len(keys)
+
+
+def _lookup(pool: LocalBackend, **faults) -> tuple[PoolLookup, KeyBuilder, list]:
+    """A PoolLookup over the pool without its scan, and a log of the guard's calls
+    ((op, keys asked) in order)."""
+    wrapped = FaultyBackend(pool, FaultyOptions(**faults), BackendContext())
+    guard = BackendGuard(wrapped, T)
+    kb = KeyBuilder("fp", RankPart())
+    lk = PoolLookup(guard, kb, T, pin_lease_s=30.0)
+    assert lk._scan is None and lk.pins is not None and not lk.pins.by_run
+    calls: list[tuple[str, int]] = []
+    for op in ("exists", "pin", "unpin"):
+        real = getattr(guard, op)
+
+        def logged(keys, *args, _op=op, _real=real, **kw):
+            calls.append((_op, len(keys)))
+            return _real(keys, *args, **kw)
+
+        setattr(guard, op, logged)
+    return lk, kb, calls
+
+
+def test_a_first_lookup_is_one_pin_call_and_keeps_only_the_counted_run(pool):
+    lk, kb, calls = _lookup(pool)
+    hashes = [f"p{i}" for i in range(6)]
+    keys = kb.lookup_keys_flat("", hashes)[0]
+    _put(pool, keys[:3] + keys[4:])  # chunk 3 missing; 4 and 5 present past the miss
+    assert lk.prefix_hits("", hashes, 0, "r") == 3
+    # One call answered and pinned; the two pinned past the miss were let go of.
+    assert calls == [("pin", 6), ("unpin", 2)]
+    assert pool.pinned() == 3 and lk.pins._held["r"].units == keys[:3]
+    assert lk.guard.metrics.totals()["lookups"] == 1
+    # The request waits and is looked up again: an exists, no pin (same run, lease fresh).
+    calls.clear()
+    assert lk.prefix_hits("", hashes, 0, "r") == 3
+    assert calls == [("exists", 6)]
+    # Another request's first lookup of the same prompt: its own pin call; both hold 0-2.
+    calls.clear()
+    assert lk.prefix_hits("", hashes, 0, "s") == 3
+    assert calls == [("pin", 6), ("unpin", 2)]
+    lk.pins.release("r")
+    assert pool.pinned() == 3, "s still holds the run r let go of"
+    lk.pins.release("s")
+    assert pool.pinned() == 0 and lk.pins.holders() == 0
+
+
+def test_a_first_lookup_from_an_offset_pins_from_there(pool):
+    lk, kb, calls = _lookup(pool)
+    hashes = [f"o{i}" for i in range(5)]
+    keys = kb.lookup_keys_flat("", hashes)[0]
+    _put(pool, keys)
+    assert lk.prefix_hits("", hashes, 2, "r") == 5
+    assert calls == [("pin", 3)] and lk.pins._held["r"].units == keys[2:]
+    assert lk.pins._held["r"].run == ("", 2, "o2", "o4", 3)
+    lk.pins.release("r")
+    assert pool.pinned() == 0
+
+
+def test_a_first_lookup_that_misses_at_once_holds_nothing(pool):
+    lk, kb, calls = _lookup(pool)
+    hashes = [f"m{i}" for i in range(4)]
+    keys = kb.lookup_keys_flat("", hashes)[0]
+    _put(pool, keys[1:])
+    assert lk.prefix_hits("", hashes, 0, "r") == 0
+    assert calls == [("pin", 4), ("unpin", 3)]
+    assert pool.pinned() == 0 and lk.pins.holders() == 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_first_lookup_counts_up_to_the_first_failed_answer(pool, seed):
+    # A third of the pin's keys fail (UNAVAILABLE, not pinned): the run ends at the
+    # first failure, the lookup counts an error, and what is pinned is exactly the run.
+    lk, kb, _ = _lookup(pool, seed=seed, fail_rate={"exists": 0.3})
+    answers: list[list[Status]] = []
+    pin = lk.guard.pin
+
+    def recorded(keys, *args, **kw):
+        answers.append(out := pin(keys, *args, **kw))
+        return out
+
+    lk.guard.pin = recorded  # type: ignore[method-assign]
+    hashes = [f"f{seed}-{i}" for i in range(8)]
+    _put(pool, kb.lookup_keys_flat("", hashes)[0])
+    hits = lk.prefix_hits("", hashes, 0, "r")
+    (got,) = answers
+    first_bad = next((i for i, s in enumerate(got) if s is not Status.OK), len(got))
+    assert hits == first_bad
+    assert pool.pinned() == hits
+    assert lk.guard.metrics.totals().get("lookup_errors", 0) == (1 if first_bad < len(got) else 0)
+    lk.pins.release("r")
+    assert pool.pinned() == 0
+
+
+def test_a_degraded_backend_gets_no_first_lookup_call(pool):
+    lk, kb, calls = _lookup(pool)
+    hashes = ["d0", "d1"]
+    _put(pool, kb.lookup_keys_flat("", hashes)[0])
+    lk.guard.monitor = type("Sick", (), {"degraded": True})()  # type: ignore[assignment]
+    assert lk.prefix_hits("", hashes, 0, "r") == 0
+    assert calls == [] and pool.pinned() == 0 and lk.pins.holders() == 0
+
+
+class _PinModel:
+    """A backend client's pins of key strings, as the contract has them: per
+    process (a key pinned twice is one pin; ``unpin`` ends it)."""
+
+    class capabilities:  # (read as guard.capabilities.pins)
+        pins = True
+
+    def __init__(self) -> None:
+        self.pinned: set[str] = set()
+
+    def pin(self, keys, lease_s, timeout_s=None):
+        self.pinned.update(keys)
+        return [Status.OK] * len(keys)
+
+    def unpin(self, keys, timeout_s=None):
+        self.pinned.difference_update(keys)
+        return [Status.OK] * len(keys)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_key_pins_stay_exactly_the_union_of_what_requests_hold(seed):
+    # Requests share a leading run of keys (a system prompt), hold their own after
+    # it, sometimes hold a key twice, renew, keep less and let go in random order.
+    # After every step the backend pins exactly the keys some request holds, and
+    # the ledger counts each key's holders exactly.
+    rng = random.Random(seed)
+    model = _PinModel()
+    pins = LookupPins(model, 60.0, T)  # type: ignore[arg-type]
+    system = [f"sys/{i}" for i in range(rng.randint(0, 40))]
+    held: dict[str, list[str]] = {}
+    for step in range(300):
+        req = f"r{rng.randrange(8)}"
+        op = rng.random()
+        if op < 0.5:
+            own = [f"{req}/{step}/{i}" for i in range(rng.randint(0, 60))]
+            keys = system[: rng.randint(0, len(system))] + own
+            if keys and rng.random() < 0.1:
+                keys.append(rng.choice(keys))  # a key twice in one holding
+            width = rng.choice([1, 2]) if len(keys) % 2 == 0 else 1
+            pins.pin(req, keys, width)
+            held[req] = keys
+            if not keys:
+                held.pop(req)
+        elif op < 0.65 and req in held:
+            h = pins._held[req]
+            chunks = rng.randint(0, len(h.units) // h.width)
+            pins.keep(req, chunks)
+            held[req] = held[req][: chunks * h.width]
+            if not held[req]:
+                held.pop(req)
+        else:
+            pins.release(req)
+            held.pop(req, None)
+        want = Counter(k for keys in held.values() for k in keys)
+        assert model.pinned == set(want), f"step {step}: backend pins differ from what requests hold"
+        assert pins._refs == want, f"step {step}: the ledger's counts are off"
+    pins.release(list(held))
+    assert not model.pinned and not pins._refs
