@@ -134,6 +134,47 @@ def test_batches_beyond_512_keys_are_split(backend: MemcacheBackend) -> None:
     assert backend.remove(keys, 10) == [Status.OK] * n
 
 
+def test_answers_land_on_their_own_keys_across_batches(backend: MemcacheBackend) -> None:
+    # exists and remove take ranges and slices when every key is valid and a pass per
+    # key otherwise: 1100 keys (three native batches), present and absent in a
+    # pattern no batch boundary lines up with, then the same with bad keys among them
+    # (too long, empty, non-ASCII over 256 bytes) and a non-ASCII one MemCache takes.
+    n = 1100
+    src = Buf(pattern(4, 8))
+    keys = [f"land/{i}" for i in range(n)]
+    present = [k for i, k in enumerate(keys) if i % 3 != 1 and i % 7 != 5]
+    present.append("land/ключ")  # 16 bytes: a key MemCache takes
+    put = backend.put(present, [[src.region()]] * len(present), 10)
+    assert put == [Status.OK] * len(present)
+    stored = set(present)
+    want = [Status.OK if k in stored else Status.NOT_FOUND for k in keys]
+    assert backend.exists(keys, 10) == want
+    native = backend._store.batch_is_exist
+    # Each bad key alone in a batch of valid ASCII ones (one would hide another from a
+    # check); last, the valid non-ASCII key alone.
+    for bad, at in (("x" * 257, 200), ("", 517), ("é" * 200, 1030), (None, 0)):
+        mixed = list(keys)
+        if bad is not None:
+            mixed.insert(at, bad)
+        else:
+            mixed.insert(640, "land/ключ")
+        want_mixed = [Status.INVALID if k == bad else Status.OK if k in stored else Status.NOT_FOUND for k in mixed]
+        sent: list[list[str]] = []
+
+        def recorded(ks, _sent=sent):
+            _sent.append(list(ks))
+            return native(ks)
+
+        backend._store.batch_is_exist = recorded
+        assert backend.exists(mixed, 10) == want_mixed, repr(bad)[:20]
+        # Only the valid keys reach MemCache, in order, at most 512 a call.
+        assert [k for batch in sent for k in batch] == [k for k in mixed if k != bad]
+        assert max(map(len, sent)) <= 512
+        backend._store.batch_is_exist = native
+    assert backend.remove(mixed, 10) == want_mixed
+    assert backend.exists(mixed, 10) == [Status.NOT_FOUND] * len(mixed)
+
+
 def test_bad_keys_fail_alone(backend: MemcacheBackend) -> None:
     src = Buf(pattern(6, 32))
     long_key = "x" * 257  # MemCache fails a whole batch on one key > 256 bytes

@@ -339,19 +339,47 @@ class MemcacheBackend(GvaFlow, Backend):
         valid: Sequence[bool] | None = None,
     ) -> list[Status]:
         """Run ``call`` on batches of at most MAX_BATCH_KEYS indices (of the
-        valid keys) and decode its per-key codes."""
-        out = [Status.INVALID] * len(keys)
-        todo = [i for i in range(len(keys)) if valid is None or valid[i]]
+        valid keys) and decode its per-key codes.
+
+        With every key valid (``valid`` None or all True, as in every batch the
+        engine makes) the indices are ranges (``_pick`` slices them) and the
+        answers land by slice; each distinct code is decoded once and mapped in C.
+        A pass per key in Python was ~0.8 ms of a 1024-key exists."""
+        n = len(keys)
+        out = [Status.INVALID] * n
+        whole = valid is None or valid.count(False) == 0
+        todo: Sequence[int] = range(n) if whole else [i for i in range(n) if valid[i]]  # type: ignore[index]
         for start in range(0, len(todo), MAX_BATCH_KEYS):
             idx = todo[start : start + MAX_BATCH_KEYS]
-            err, codes = call(idx)
+            err, codes = call(idx)  # type: ignore[arg-type]
             if err is None and (not isinstance(codes, list | tuple) or len(codes) != len(idx)):
                 # the pybind layer returns [] when the client is gone [measured]
                 log.warning("memcache: got %r for %d keys", codes, len(idx))
                 err = Status.UNAVAILABLE
-            for j, i in enumerate(idx):
-                out[i] = err if err is not None else decode(int(codes[j]))
+            if err is not None:
+                got = [err] * len(idx)
+            else:
+                table = {c: decode(int(c)) for c in set(codes)}
+                got = list(map(table.__getitem__, codes))
+            if whole:
+                out[start : start + len(idx)] = got
+            else:
+                for i, st in zip(idx, got, strict=True):
+                    out[i] = st
         return out
+
+    def _valid_keys(self, keys: list[str]) -> list[bool] | None:
+        """None when every key is one MemCache takes (C-level passes: an ASCII key's
+        length is its byte count, and a string of all keys is ASCII when each is),
+        else a verdict per key."""
+        try:
+            if keys and "".join(keys).isascii():
+                lengths = set(map(len, keys))
+                if min(lengths) > 0 and max(lengths) <= MAX_KEY_BYTES:
+                    return None
+        except TypeError:  # not all str: judged one by one
+            pass
+        return [self._key_ok(k) for k in keys]
 
     @staticmethod
     def _key_ok(key: str) -> bool:
@@ -399,10 +427,10 @@ class MemcacheBackend(GvaFlow, Backend):
     def exists(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
         keys = list(keys)
         deadline = Deadline(timeout_s)
-        valid = [self._key_ok(k) for k in keys]
+        valid = self._valid_keys(keys)
 
-        def call(idx: list[int]) -> tuple[Status | None, Any]:
-            return self._native(deadline, self._store.batch_is_exist, [keys[i] for i in idx])
+        def call(idx: Sequence[int]) -> tuple[Status | None, Any]:
+            return self._native(deadline, self._store.batch_is_exist, _pick(keys, idx))
 
         return self._per_key(keys, call, exist_status, valid)
 
@@ -479,10 +507,10 @@ class MemcacheBackend(GvaFlow, Backend):
     def remove(self, keys: Sequence[str], timeout_s: float) -> list[Status]:
         keys = list(keys)
         deadline = Deadline(timeout_s)
-        valid = [self._key_ok(k) for k in keys]
+        valid = self._valid_keys(keys)
 
-        def call(idx: list[int]) -> tuple[Status | None, Any]:
-            return self._native(deadline, self._store.remove_batch, [keys[i] for i in idx])
+        def call(idx: Sequence[int]) -> tuple[Status | None, Any]:
+            return self._native(deadline, self._store.remove_batch, _pick(keys, idx))
 
         return self._per_key(keys, call, lambda c: to_status(c, "remove"), valid)
 
@@ -529,3 +557,10 @@ class MemcacheBackend(GvaFlow, Backend):
             with _open_lock:
                 if _open_native is self:
                     _open_native = None
+
+
+def _pick(items: list, idx: Sequence[int]) -> list:
+    """``items`` at ``idx``: a slice when ``idx`` is a range (every key valid)."""
+    if type(idx) is range:
+        return items[idx.start : idx.stop]
+    return [items[i] for i in idx]
