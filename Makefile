@@ -115,6 +115,7 @@ bench: setup
 	$(PY) bench/bench_connector.py
 	$(PY) bench/bench_lookup.py
 	$(PY) bench/bench_mooncake.py
+	$(PY) bench/bench_memcache.py
 	$(PY) bench/bench_release.py
 	$(PY) bench/bench_staging.py
 
