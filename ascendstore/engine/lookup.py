@@ -104,11 +104,8 @@ class PoolLookup:
         would have touched them as well: on Mooncake both are read leases)."""
         pins = self.pins
         assert pins is not None
-        todo = chunk_hashes[start:] if start else chunk_hashes
+        todo = self._to_ask(chunk_hashes, start)
         if not todo:
-            return start
-        if self._degraded():
-            self.guard.metrics.add(lookups=1, lookups_skipped_degraded=1)
             return start
         flat, width = self.keys.lookup_keys_flat(tenant, todo)
         # (under the ledger's lock, as pin(): no release between the pins and their record)
@@ -192,18 +189,24 @@ class PoolLookup:
     def _prefix_hits(
         self, tenant: str, chunk_hashes: Sequence[str] | Sequence[bytes], start: int, lease_s: float = 0.0
     ) -> int:
-        todo = chunk_hashes[start:] if start else chunk_hashes
+        todo = self._to_ask(chunk_hashes, start)
         if not todo:
-            return start
-        if self._degraded():
-            # Degraded: no traffic to the sick backend; a miss costs a recompute.
-            self.guard.metrics.add(lookups=1, lookups_skipped_degraded=1)
             return start
         if self._scan is not None:
             return start + self._scan_hits(tenant, todo, lease_s)
         # every chunk has the same objects (ranks x layers): ``width`` keys each
         flat, width = self.keys.lookup_keys_flat(tenant, todo)
         return start + self._counted(self.guard.exists(flat, self.timeout_s), width)
+
+    def _to_ask(self, chunk_hashes: Sequence[str] | Sequence[bytes], start: int) -> Sequence:
+        """The chunks from ``start`` a lookup asks about: none when there are none, or
+        when the backend is degraded (no traffic to the sick backend; a miss costs a
+        recompute; counted)."""
+        todo = chunk_hashes[start:] if start else chunk_hashes
+        if todo and self._degraded():
+            self.guard.metrics.add(lookups=1, lookups_skipped_degraded=1)
+            return ()
+        return todo
 
     def _counted(self, statuses: list[Status], width: int) -> int:
         """Chunks of a lookup's answers (``width`` per chunk) that hit, as a run
