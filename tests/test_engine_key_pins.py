@@ -7,6 +7,7 @@ order."""
 
 from __future__ import annotations
 
+import hashlib
 import random
 import uuid
 from collections import Counter
@@ -200,3 +201,81 @@ def test_key_pins_stay_exactly_the_union_of_what_requests_hold(seed):
         assert pins._refs == want, f"step {step}: the ledger's counts are off"
     pins.release(list(held))
     assert not model.pinned and not pins._refs
+
+
+def _chain(parent: str, n: int, rng: random.Random) -> list[str]:
+    """``n`` chained chunk hashes after ``parent`` (as vLLM's: each names its prefix)."""
+    out = []
+    for _ in range(n):
+        parent = hashlib.sha256(f"{parent}/{rng.random()}".encode()).hexdigest()[:16]
+        out.append(parent)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_placed_key_pins_stay_exactly_the_union_of_what_requests_hold(seed):
+    # What PoolLookup pins: key strings of a tenant's prompt from a chunk position,
+    # chunk-major (``width`` keys a chunk). What requests share is found by position
+    # (chained hashes), not counted per key. Prompts grow from each other's prefixes
+    # (a system prompt, a conversation's earlier turns); pin calls answer a miss and
+    # keys present past it (let go unless another request holds them); requests
+    # renew, keep less, release in any order; a holding of keys of unknown origin
+    # (counted per key) sometimes shares keys with them. After every step the
+    # backend pins exactly the keys some request holds.
+    rng = random.Random(seed)
+    model = _PinModel()
+    pins = LookupPins(model, 60.0, T)  # type: ignore[arg-type]
+    width = rng.choice([1, 2, 3])
+    kb = KeyBuilder("fp", RankPart(), all_ranks=tuple(RankPart(head_rank=r) for r in range(width)))
+    tenants = ["t0", "t1"]
+    prompts: dict[str, list[list[str]]] = {t: [_chain(t, rng.randint(1, 30), rng)] for t in tenants}
+    held: dict[str, list[str]] = {}
+    for step in range(300):
+        req = f"r{rng.randrange(8)}"
+        op = rng.random()
+        if op < 0.55:
+            tenant = rng.choice(tenants)
+            known = prompts[tenant]
+            base = rng.choice(known)
+            cut = rng.randint(0, len(base))
+            prompt = base[:cut] + _chain(base[cut - 1] if cut else tenant, rng.randint(0, 20), rng)
+            if not prompt:
+                continue
+            known.append(prompt)
+            start = rng.randrange(len(prompt))
+            flat, w = kb.lookup_keys_flat(tenant, prompt[start:])
+            assert w == width
+            n = len(prompt) - start
+            hits = rng.randint(0, n)
+            # answers: the run, a miss, then present or absent at random (some past it)
+            statuses = [Status.OK] * (hits * width)
+            if hits < n:
+                statuses += [Status.NOT_FOUND] + [rng.choice([Status.OK, Status.NOT_FOUND])
+                                                  for _ in range(len(flat) - len(statuses) - 1)]
+            model.pin([k for k, s in zip(flat, statuses, strict=True) if s is Status.OK], 60.0)
+            run = (tenant, start, prompt[start], prompt[start + hits - 1], hits) if hits else None
+            pins.pinned(req, flat, width, statuses, hits, run, (tenant, start))
+            held[req] = flat[: hits * width]
+            if not hits:
+                held.pop(req)
+        elif op < 0.62:
+            # keys of unknown origin (no place): counted per key; some shared with prompts
+            pool = [k for keys in held.values() for k in keys]
+            keys = rng.sample(pool, min(len(pool), rng.randint(0, 5))) + [f"{req}/{step}/x"]
+            pins.pin(req, keys, 1)
+            held[req] = keys
+        elif op < 0.75 and req in held:
+            h = pins._held[req]
+            chunks = rng.randint(0, len(h.units) // h.width)
+            pins.keep(req, chunks)
+            held[req] = held[req][: chunks * h.width]
+            if not held[req]:
+                held.pop(req)
+        else:
+            pins.release(req)
+            held.pop(req, None)
+        want = {k for keys in held.values() for k in keys}
+        assert model.pinned == want, f"step {step}: backend pins differ from what requests hold"
+        assert pins.held_keys() == len(want)
+    pins.release(list(held))
+    assert not model.pinned and not pins._refs and pins.holders() == 0

@@ -113,7 +113,7 @@ class PoolLookup:
             statuses = self.guard.pin(flat, pins.lease_s, self.timeout_s)
             hits = self._counted(statuses, width)
             run = (tenant, start, todo[0], todo[hits - 1], hits) if hits else None
-            pins.pinned(req_id, flat, width, statuses, hits, run)
+            pins.pinned(req_id, flat, width, statuses, hits, run, (tenant, start))
         return start + hits
 
     def _pinned_scan(self, tenant: str, chunk_hashes: Sequence[str] | Sequence[bytes], start: int,
