@@ -116,6 +116,7 @@ bench: setup
 	$(PY) bench/bench_lookup.py
 	$(PY) bench/bench_mooncake.py
 	$(PY) bench/bench_memcache.py
+	$(PY) bench/bench_pins.py
 	$(PY) bench/bench_release.py
 	$(PY) bench/bench_staging.py
 
