@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import random
+import threading
+import time
 import uuid
 from collections import Counter
 
@@ -279,3 +281,39 @@ def test_placed_key_pins_stay_exactly_the_union_of_what_requests_hold(seed):
         assert pins.held_keys() == len(want)
     pins.release(list(held))
     assert not model.pinned and not pins._refs and pins.holders() == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_threads_looking_up_keeping_and_releasing_leave_exactly_what_is_held(pool, seed):
+    # Lookups, keeps and releases of overlapping prompts from several threads (the
+    # RPC server and the scheduler may overlap), random delays. Once they stop, the
+    # pool pins exactly the keys the ledger holds; once every request lets go, none.
+    lk, kb, _ = _lookup(pool)
+    hashes = [f"t{i}" for i in range(12)]
+    _put(pool, kb.lookup_keys_flat("", hashes)[0])
+    errors: list[BaseException] = []
+
+    def work(tid: int) -> None:
+        rng = random.Random(seed * 16 + tid)
+        try:
+            for j in range(80):
+                rid = f"{tid}-{j % 3}" if rng.random() < 0.8 else f"shared-{j % 2}"
+                n = rng.randint(1, len(hashes))
+                lk.prefix_hits("", hashes[:n], rng.choice([0, 0, rng.randrange(n)]), rid)
+                time.sleep(rng.random() * 0.002)
+                if rng.random() < 0.3:
+                    lk.pins.keep(rid, rng.randint(0, 3))
+                if rng.random() < 0.5:
+                    lk.pins.release(rid)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert pool.pinned() == lk.pins.held_keys()
+    lk.pins.release(lk.pins.requests())
+    assert pool.pinned() == 0 and lk.pins.held_keys() == 0 and not lk.pins._firsts
