@@ -40,7 +40,7 @@ Scope = str | None
 UnpinRun = Callable[[str, Sequence], object]
 
 
-@dataclass
+@dataclass(eq=False)  # (compared by identity: the index removes this holding, not an equal one)
 class _Holding:
     #: what is pinned, chunk-major: ``width`` key strings per chunk; or, for pins
     #: a native scan took (``scope`` set), one chunk hash per chunk (width 1)
@@ -400,7 +400,7 @@ class LookupPins:
             by_start = self._firsts[group]
             firsts = by_start[h.start]
             same = firsts[h.units[0]]
-            same.remove(h)  # (by identity first: holdings are equal only when they are the same)
+            same.remove(h)
             if not same:
                 del firsts[h.units[0]]
                 if not firsts:
