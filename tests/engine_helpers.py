@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ascendstore.contract import Backend, BackendContext, BackendOptions, Capabilities, Health, Region, Status
 
@@ -75,3 +75,22 @@ class MemBackend(Backend):
 
     def close(self):
         pass
+
+
+def run_threads(work: Callable[[int], object], n: int) -> list[BaseException]:
+    """``work(0)`` .. ``work(n - 1)`` on ``n`` threads at once; returns what they
+    raised, for the test to report."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as exc:  # pragma: no cover - reported by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import random
-import threading
 import time
 import uuid
 from collections import Counter
 
 import numpy as np
 import pytest
+from engine_helpers import run_threads
 
 from ascendstore.chaos.faulty import FaultyBackend, FaultyOptions
 from ascendstore.contract import BackendContext, Region, Status
@@ -164,6 +164,22 @@ class _PinModel:
         return [Status.OK] * len(keys)
 
 
+def _keep_or_release(pins: LookupPins, held: dict[str, list[str]], req: str, rng: random.Random,
+                     keep: bool) -> None:
+    """A model test's step: ``req`` keeps a random number of its chunks (``keep``, when
+    it holds any) or lets go of all; ``held`` (what each request holds) follows."""
+    if keep and req in held:
+        h = pins._held[req]
+        chunks = rng.randint(0, len(h.units) // h.width)
+        pins.keep(req, chunks)
+        held[req] = held[req][: chunks * h.width]
+        if not held[req]:
+            held.pop(req)
+    else:
+        pins.release(req)
+        held.pop(req, None)
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_key_pins_stay_exactly_the_union_of_what_requests_hold(seed):
     # Requests share a leading run of keys (a system prompt), hold their own after
@@ -188,16 +204,8 @@ def test_key_pins_stay_exactly_the_union_of_what_requests_hold(seed):
             held[req] = keys
             if not keys:
                 held.pop(req)
-        elif op < 0.65 and req in held:
-            h = pins._held[req]
-            chunks = rng.randint(0, len(h.units) // h.width)
-            pins.keep(req, chunks)
-            held[req] = held[req][: chunks * h.width]
-            if not held[req]:
-                held.pop(req)
         else:
-            pins.release(req)
-            held.pop(req, None)
+            _keep_or_release(pins, held, req, rng, keep=op < 0.65)
         want = Counter(k for keys in held.values() for k in keys)
         assert model.pinned == set(want), f"step {step}: backend pins differ from what requests hold"
         assert pins._refs == want, f"step {step}: the ledger's counts are off"
@@ -266,16 +274,8 @@ def test_placed_key_pins_stay_exactly_the_union_of_what_requests_hold(seed):
             keys = rng.sample(pool, min(len(pool), rng.randint(0, 5))) + [f"{req}/{step}/x"]
             pins.pin(req, keys, 1)
             held[req] = keys
-        elif op < 0.75 and req in held:
-            h = pins._held[req]
-            chunks = rng.randint(0, len(h.units) // h.width)
-            pins.keep(req, chunks)
-            held[req] = held[req][: chunks * h.width]
-            if not held[req]:
-                held.pop(req)
         else:
-            pins.release(req)
-            held.pop(req, None)
+            _keep_or_release(pins, held, req, rng, keep=op < 0.75)
         want = {k for keys in held.values() for k in keys}
         assert model.pinned == want, f"step {step}: backend pins differ from what requests hold"
         assert pins.held_keys() == len(want)
@@ -291,29 +291,20 @@ def test_threads_looking_up_keeping_and_releasing_leave_exactly_what_is_held(poo
     lk, kb, _ = _lookup(pool)
     hashes = [f"t{i}" for i in range(12)]
     _put(pool, kb.lookup_keys_flat("", hashes)[0])
-    errors: list[BaseException] = []
 
     def work(tid: int) -> None:
         rng = random.Random(seed * 16 + tid)
-        try:
-            for j in range(80):
-                rid = f"{tid}-{j % 3}" if rng.random() < 0.8 else f"shared-{j % 2}"
-                n = rng.randint(1, len(hashes))
-                lk.prefix_hits("", hashes[:n], rng.choice([0, 0, rng.randrange(n)]), rid)
-                time.sleep(rng.random() * 0.002)
-                if rng.random() < 0.3:
-                    lk.pins.keep(rid, rng.randint(0, 3))
-                if rng.random() < 0.5:
-                    lk.pins.release(rid)
-        except BaseException as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+        for j in range(80):
+            rid = f"{tid}-{j % 3}" if rng.random() < 0.8 else f"shared-{j % 2}"
+            n = rng.randint(1, len(hashes))
+            lk.prefix_hits("", hashes[:n], rng.choice([0, 0, rng.randrange(n)]), rid)
+            time.sleep(rng.random() * 0.002)
+            if rng.random() < 0.3:
+                lk.pins.keep(rid, rng.randint(0, 3))
+            if rng.random() < 0.5:
+                lk.pins.release(rid)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    assert not run_threads(work, 4)
     assert pool.pinned() == lk.pins.held_keys()
     lk.pins.release(lk.pins.requests())
     assert pool.pinned() == 0 and lk.pins.held_keys() == 0 and not lk.pins._firsts

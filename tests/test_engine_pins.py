@@ -6,12 +6,12 @@ ledger forgets expired holdings; nothing stays pinned."""
 from __future__ import annotations
 
 import random
-import threading
 import time
 import uuid
 
 import numpy as np
 import pytest
+from engine_helpers import run_threads
 
 from ascendstore.contract import BackendContext, Region, Status
 from ascendstore.engine import BackendGuard, PoolLookup
@@ -239,28 +239,19 @@ def test_threads_pinning_and_releasing_leave_no_pin(pool):
     hashes = [f"t{i}" for i in range(8)]
     assert _put(pool, _keys(kb, hashes)) == [Status.OK] * 8
     rng = random.Random(5)
-    errors: list[BaseException] = []
 
     def work(tid: int) -> None:
-        try:
-            for j in range(60):
-                rid = f"{tid}-{j % 3}"
-                n = rng.randint(1, 8)
-                lk.prefix_hits("", hashes[:n], rng.randint(0, n - 1), rid)
-                time.sleep(rng.random() * 0.002)
-                if rng.random() < 0.3:
-                    lk.pins.keep(rid, rng.randint(0, 2))
-                if rng.random() < 0.6:
-                    lk.pins.release(rid)
-        except BaseException as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+        for j in range(60):
+            rid = f"{tid}-{j % 3}"
+            n = rng.randint(1, 8)
+            lk.prefix_hits("", hashes[:n], rng.randint(0, n - 1), rid)
+            time.sleep(rng.random() * 0.002)
+            if rng.random() < 0.3:
+                lk.pins.keep(rid, rng.randint(0, 2))
+            if rng.random() < 0.6:
+                lk.pins.release(rid)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    assert not run_threads(work, 4)
     lk.pins.release(lk.pins.requests())
     assert lk.pins.held_keys() == 0
     assert pool.pinned() == 0
