@@ -21,14 +21,15 @@
    ``--segment remote`` (with ``BENCH_CLOCK=wall``) puts the objects in another
    client's segment (a lender process; the worker's client lends none), so every
    transfer crosses a TCP socket on loopback, as from another node's memory.
-2. The connector's scheduler-side time per step divided by vLLM's schedule()
-   time, with 256 running requests (real Scheduler; connector calls timed by
+2. The connector's scheduler-side time per step (its calls in schedule() and
+   in the update_from_output() after it) divided by vLLM's schedule() time,
+   with 256 running requests (real Scheduler; connector calls timed by
    wrapping them; CPU time of the scheduler's thread, since the harness runs the
    worker's save thread in the same process). Each engine instance gives one
-   ratio (sums over its steady steps); the figure is the median over fresh
-   instances, whose levels differ by a few percent, spread over fresh
-   processes, whose levels differ by up to a quarter (one process's median did
-   not reproduce in the next run). Goal: <= 0.10.
+   ratio (sums over its steady steps); the figure is the median over 32 fresh
+   instances, whose levels differ by a few percent, spread over 16 fresh
+   processes, whose levels differ by up to a quarter on one host and a half on
+   another (one process's median did not reproduce in the next run). Goal: <= 0.10.
 
     .venv/bin/python bench/bench_connector.py [--backend local|mooncake] [--quick] [--json] [--pin-cpu N]
     BENCH_CLOCK=wall .venv/bin/python bench/bench_connector.py --backend mooncake --segment remote
@@ -254,7 +255,8 @@ def torch_rand_like(t):
 
 
 def _scheduler_run(backend: str, num_requests: int, steps: int) -> tuple[int, list[tuple[float, float]]]:
-    """One engine instance: (running requests, [(schedule() s, connector s)] per steady step)."""
+    """One engine instance: (running requests, [(schedule() s, connector s)] per steady step);
+    a step's connector s are its scheduler-side calls in schedule() and after it."""
     spec = EngineSpec(extra_config=_backend_config(backend, 256), num_blocks=num_requests * 9 + 16,
                       max_num_seqs=num_requests, max_num_batched_tokens=num_requests * 128 + 256,
                       max_model_len=512, num_layers=1, num_heads=1, num_kv_heads=1, head_size=8)
@@ -280,16 +282,27 @@ def _scheduler_run(backend: str, num_requests: int, steps: int) -> tuple[int, li
         orig = sched.schedule
         per_step: list[tuple[float, float]] = []
 
-        def schedule():
+        def after_last_schedule() -> None:
+            # A step's connector time is its calls in schedule() and in the
+            # update_from_output() after it (update_connector_output, request_finished,
+            # take_events, get_kv_connector_stats): those are the scheduler side too.
+            if per_step:
+                s, c = per_step[-1]
+                per_step[-1] = (s, c + spent[0])
             spent[0] = 0.0
+
+        def schedule():
+            after_last_schedule()
             t0 = thread_clock()
             out = orig()
             per_step.append((thread_clock() - t0, spent[0]))
+            spent[0] = 0.0
             return out
 
         sched.schedule = schedule
         for _ in range(steps):
             eng.step()
+        after_last_schedule()
         return len(sched.running), per_step[3:]  # after every prompt is in (decode steady state)
     finally:
         eng.close()
@@ -422,11 +435,13 @@ def main(backend: str = "local", quick: bool = False, as_json: bool = typer.Opti
         if segment == "remote":
             lender = start_lender(os.environ[MASTER_ENV], LENDER_BYTES)
         transfers = transfers_across(backend, n, rounds, procs, pin)
-        # 3 warm-up steps + two 16-step chunk periods per engine; 24 engines in 8 processes (3 in
+        # 3 warm-up steps + two 16-step chunk periods per engine; 32 engines in 16 processes (3 in
         # this one with --quick): per-engine levels differ by up to 2x on this VM (~30 us of work
-        # per step), per-process ones by up to a quarter, so many of both. Local pool only: a
-        # lookup through another backend is that backend's exists (bench_lookup.py).
-        s = scheduler_ratio(backend, 256, 35, 3 if quick else 24, 1 if quick else 8) if backend == "local" else None
+        # per step), and per-process ones by up to a quarter (Zen 3) or a half (Zen 5, where 24
+        # engines in 8 processes put two runs' medians 14% apart, 32 in 16 put them 8% apart), so
+        # many processes. Local pool only: a lookup through another backend is that backend's
+        # exists (bench_lookup.py).
+        s = scheduler_ratio(backend, 256, 35, 3 if quick else 32, 1 if quick else 16) if backend == "local" else None
     finally:
         if lender is not None:
             lender.kill()

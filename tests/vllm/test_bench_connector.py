@@ -48,3 +48,30 @@ def test_bench_connector_remote_segment_needs_mooncake_and_the_wall_clock():
                              capture_output=True, text=True, timeout=120, env={**os.environ, "BENCH_CLOCK": clock})
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         assert "--segment" in out.stderr, out.stderr
+
+
+def test_scheduler_share_counts_the_connector_calls_after_schedule(monkeypatch):
+    """A step's connector time takes in its calls in update_from_output() too
+    (update_connector_output and the rest run after schedule() returns): one that
+    burns 2 ms of CPU there shows in every steady step's figure."""
+    from ascendstore_vllm.connector import AscendStoreConnector
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import bench_connector
+        from harness import thread_clock
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    real = AscendStoreConnector.update_connector_output
+
+    def slow(self, connector_output):
+        t0 = thread_clock()
+        while thread_clock() - t0 < 0.002:
+            pass
+        return real(self, connector_output)
+
+    monkeypatch.setattr(AscendStoreConnector, "update_connector_output", slow)
+    running, steps = bench_connector._scheduler_run("local", 8, 8)
+    assert running == 8 and len(steps) == 5
+    for sched_s, conn_s in steps:
+        assert conn_s >= 0.002 > 0 < sched_s, (sched_s, conn_s)
