@@ -350,7 +350,6 @@ def scheduler_ratio(backend: str, num_requests: int, steps: int, engines: int, p
             "clock": "thread " + CLOCK_NAME,
             "schedule_ms": sched_t * 1e3, "connector_ms": conn_t * 1e3,
             "ratio": stat(per_engine).as_dict(),
-            "ratio_vs_rest": conn_t / max(sched_t - conn_t, 1e-9),
             "per_step": stat(c / s for s, c in steady).as_dict()}
 
 
