@@ -94,3 +94,16 @@ def run_threads(work: Callable[[int], object], n: int) -> list[BaseException]:
     for t in threads:
         t.join()
     return errors
+
+
+def look_then_keep_or_release(lookup, req_id: str, hashes: Sequence[str], start: int, rng, keep_most: int,
+                              release_p: float) -> None:
+    """A pin thread test's step: ``req_id`` looks ``hashes`` up from ``start`` (and so
+    pins what it counts), waits up to 2 ms, then may keep its first 0..``keep_most``
+    chunks (3 times in 10) and may let go of all (``release_p``)."""
+    lookup.prefix_hits("", hashes, start, req_id)
+    time.sleep(rng.random() * 0.002)
+    if rng.random() < 0.3:
+        lookup.pins.keep(req_id, rng.randint(0, keep_most))
+    if rng.random() < release_p:
+        lookup.pins.release(req_id)

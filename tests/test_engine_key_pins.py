@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import random
-import time
 import uuid
 from collections import Counter
 
 import numpy as np
 import pytest
-from engine_helpers import run_threads
+from engine_helpers import look_then_keep_or_release, run_threads
 
 from ascendstore.chaos.faulty import FaultyBackend, FaultyOptions
 from ascendstore.contract import BackendContext, Region, Status
@@ -297,12 +296,7 @@ def test_threads_looking_up_keeping_and_releasing_leave_exactly_what_is_held(poo
         for j in range(80):
             rid = f"{tid}-{j % 3}" if rng.random() < 0.8 else f"shared-{j % 2}"
             n = rng.randint(1, len(hashes))
-            lk.prefix_hits("", hashes[:n], rng.choice([0, 0, rng.randrange(n)]), rid)
-            time.sleep(rng.random() * 0.002)
-            if rng.random() < 0.3:
-                lk.pins.keep(rid, rng.randint(0, 3))
-            if rng.random() < 0.5:
-                lk.pins.release(rid)
+            look_then_keep_or_release(lk, rid, hashes[:n], rng.choice([0, 0, rng.randrange(n)]), rng, 3, 0.5)
 
     assert not run_threads(work, 4)
     assert pool.pinned() == lk.pins.held_keys()

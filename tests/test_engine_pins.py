@@ -11,7 +11,7 @@ import uuid
 
 import numpy as np
 import pytest
-from engine_helpers import run_threads
+from engine_helpers import look_then_keep_or_release, run_threads
 
 from ascendstore.contract import BackendContext, Region, Status
 from ascendstore.engine import BackendGuard, PoolLookup
@@ -244,12 +244,7 @@ def test_threads_pinning_and_releasing_leave_no_pin(pool):
         for j in range(60):
             rid = f"{tid}-{j % 3}"
             n = rng.randint(1, 8)
-            lk.prefix_hits("", hashes[:n], rng.randint(0, n - 1), rid)
-            time.sleep(rng.random() * 0.002)
-            if rng.random() < 0.3:
-                lk.pins.keep(rid, rng.randint(0, 2))
-            if rng.random() < 0.6:
-                lk.pins.release(rid)
+            look_then_keep_or_release(lk, rid, hashes[:n], rng.randint(0, n - 1), rng, 2, 0.6)
 
     assert not run_threads(work, 4)
     lk.pins.release(lk.pins.requests())
