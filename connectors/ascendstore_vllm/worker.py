@@ -124,8 +124,12 @@ class AscendStoreWorker:
         self.sync: DeviceSync | None = None
         self._scratch: torch.Tensor | None = None
         self._region_cache: dict[tuple[tuple[int, ...], int | None], list[Region]] = {}
-        #: whole-chunk regions of one-block chunks by block id (_step_objects)
-        self._block_regions: dict[int, list[Region]] = {}
+        #: whole-chunk regions of one-block chunks, indexed by block id (_step_objects):
+        #: a list, not a dict, since a step reads one entry per object with cold caches
+        #: and an index touches one slot where a dict probe touches its table and entry.
+        #: Twice the blocks, plus one: a negative id (-1: a block the device holds)
+        #: indexes the None half and takes the miss path.
+        self._block_regions: list[list[Region] | None] = []
         self._geom: tuple[tuple[int, int, tuple[tuple[int, int], ...], int], ...] = ()
         self._layer_bytes: list[int] = []
         self._chunk_bytes = 0
@@ -196,7 +200,7 @@ class AscendStoreWorker:
         )
         self._geom = tuple((lay.base, lay.block_stride, lay.runs, lay.num_blocks) for lay in self.layout.layers)
         self._region_cache.clear()
-        self._block_regions.clear()
+        self._block_regions = [None] * (2 * max((g[3] for g in self._geom), default=0) + 1)
         self._layer_bytes = [lay.block_bytes for lay in self.layout.layers]
         self._chunk_bytes = sum(self._layer_bytes)
         if self.ctx.hybrid:
@@ -297,10 +301,8 @@ class AscendStoreWorker:
 
     def _chunk_regions(self, block_ids: list[int]) -> list[Region]:
         """Regions of a whole-chunk object, cached (``_step_objects``' miss path)."""
-        regions = self._regions(block_ids, None)
+        regions = self._regions(block_ids, None)  # (raises for a block outside the KV cache)
         if len(block_ids) == 1 and block_ids[0] >= 0:
-            if len(self._block_regions) >= REGION_CACHE_ENTRIES:
-                self._block_regions.clear()
             self._block_regions[block_ids[0]] = regions
         return regions
 
@@ -317,7 +319,7 @@ class AscendStoreWorker:
         filt = writer_only and self.ctx.replicas.size > 1
         # Chunks of one block (the usual vllm-ascend shape, 128-token blocks): cached
         # by block id, no key tuple to build and hash per object.
-        get1 = self._block_regions.get if self.ctx.blocks_per_chunk == 1 else None
+        one = self._block_regions if self.ctx.blocks_per_chunk == 1 else None
         get = self._region_cache.get
         for spec in specs:
             chunks = spec.chunks
@@ -326,9 +328,15 @@ class AscendStoreWorker:
             prefix = self.keys.prefix(spec.tenant, None)
             ids = [c.block_ids for c in chunks]
             keys += [prefix + c.chunk_hash for c in chunks]
-            if get1 is not None and set(map(len, ids)) == {1}:
-                regs = [get1(b[0]) for b in ids]
-            else:
+            regs: list[list[Region] | None] | None = None
+            if one is not None:
+                try:
+                    # (b,): a one-block list, else ValueError; an id past the list,
+                    # IndexError: both take the general path (which names a bad id).
+                    regs = [one[b] for b, in ids]
+                except (ValueError, IndexError):
+                    pass
+            if regs is None:
                 regs = [get((tuple(b), None)) for b in ids]
             if None in regs:
                 regs = [r if r is not None else self._chunk_regions(b) for r, b in zip(regs, ids, strict=True)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ascendstore_vllm.metadata import ChunkRef, LoadSpec
 from ascendstore_vllm.testing import EngineHarness, EngineSpec
 from ascendstore_vllm.worker import AscendStoreWorker
 from conftest import pool_config
@@ -102,3 +103,32 @@ def test_chunk_size_must_be_a_multiple_of_the_block_size(pool_root):
 
     with pytest.raises(ConfigError, match="chunk_size.*multiple of vLLM's block_size"):
         EngineHarness(EngineSpec(extra_config=pool_config(pool_root, chunk_size=24)))
+
+
+def test_step_objects_take_one_block_chunks_regions_by_block_id(pool_root):
+    """A step's one-block chunks take their regions from a list indexed by block id
+    (``_step_objects``): the same regions as built from the layout, on a miss and
+    from the list; a block the device holds (-1) reads into scratch and is never
+    cached; an id outside the KV cache is refused by name, every time."""
+    eng = EngineHarness(EngineSpec(extra_config=pool_config(pool_root), num_blocks=32, max_model_len=256))
+    try:
+        w = eng.workers[0].connector.worker
+        assert w.ctx.blocks_per_chunk == 1
+
+        def regions(*block_lists: list[int]) -> list:
+            chunks = [ChunkRef(i, f"{i:064x}", list(b)) for i, b in enumerate(block_lists)]
+            return w._step_objects([LoadSpec("r", "-", chunks)]).regions
+
+        blocks = [[3], [31], [0], [-1], [7]]
+        want = [w._build_regions(b, None) for b in blocks]
+        assert want[3] != want[0] and want[1] != want[0]
+        assert regions(*blocks) == want  # misses
+        assert regions(*blocks) == want  # from the list
+        assert w._block_regions[3] is not None and w._block_regions[-1] is None
+        # A two-block chunk (not this config's shape) takes the general path.
+        assert regions([3], [4, 5]) == [want[0], w._build_regions([4, 5], None)]
+        for _ in range(2):
+            with pytest.raises(IndexError, match="block 32 outside the KV cache"):
+                regions([3], [32])
+    finally:
+        eng.close()
