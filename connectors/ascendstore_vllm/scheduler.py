@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 RequestParamsHook = Callable[["Request"], "dict[str, Any] | None"]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Tracker:
     request: Request
     tenant: str
