@@ -709,8 +709,7 @@ class TransferEngine:
         if statuses.count(Status.OK) == n:
             if nbytes is None:
                 nbytes = sum(r.length for rs in regions for r in rs)
-            self.metrics.add(save_ops=n, save_bytes=nbytes, save_time_s=dt,
-                             save_failures=0, save_no_space=0)
+            self.metrics.add(save_ops=n, save_bytes=nbytes, save_time_s=dt)
             self._note_landed(keys)
             return
         good = [i for i, s in enumerate(statuses) if s is Status.OK]
