@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import statistics
 import subprocess
 import sys
@@ -121,6 +122,15 @@ class _RawMooncake:
         self._store.batch_remove(self._keys, True)
 
 
+def delivered(meta: AscendStoreMetadata) -> AscendStoreMetadata:
+    """A step's metadata as a worker gets it before its loads: vLLM's multiprocess
+    executor pickles the scheduler output into a message queue and the worker
+    unpickles it just before the step (in one process the scheduler builds it
+    moments before). Either way every object is new, made after the previous
+    step's copy evicted the caches, not an object the worker last read steps ago."""
+    return pickle.loads(pickle.dumps(meta))
+
+
 def transfer_ratio(backend: str, num_chunks: int, rounds: int, blocks_per_chunk: int = 1,
                    block_size: int = 16) -> dict[str, float]:
     # 8 layers x 8 KV heads x block_size tokens x (128+128) fp16: 64 KiB per layer-block at
@@ -162,10 +172,11 @@ def transfer_ratio(backend: str, num_chunks: int, rounds: int, blocks_per_chunk:
         def timed(fn: Callable[[], None], before: Callable[[], None] | None = None) -> Callable[[], float]:
             return gbps_sampler(fn, nbytes, before)  # (each call moves every object once)
 
-        # The step's metadata is the scheduler's work (another process in vLLM), as
-        # the raw client's key and region lists are prebuilt: made before the timing.
-        # Its chunk refs are the same objects every step, so the worker still reads
-        # them cold after a copy.
+        # The step's metadata is the scheduler's work, as the raw client's key and
+        # region lists are prebuilt: made before the timing. A load reads it as vLLM
+        # hands it over (``delivered``): fresh objects, made after the previous
+        # step's copy. A save reads it after the forward pass, which evicts the
+        # caches: there the chunk refs are the same objects every step, read cold.
         step: list[AscendStoreMetadata] = []
 
         dedups = w.engine.dedups_puts
@@ -189,7 +200,7 @@ def transfer_ratio(backend: str, num_chunks: int, rounds: int, blocks_per_chunk:
 
         def prep_get() -> None:
             stored()
-            step[:] = [AscendStoreMetadata(loads=[LoadSpec("bench", tenant, chunks)])]
+            step[:] = [delivered(AscendStoreMetadata(loads=[LoadSpec("bench", tenant, chunks)]))]
 
         def conn_put() -> None:
             w.bind(step[0])
@@ -204,7 +215,7 @@ def transfer_ratio(backend: str, num_chunks: int, rounds: int, blocks_per_chunk:
         def prep_get_async(direct: bool = False) -> None:
             stored()
             w.engine.direct_async_loads = direct  # the same worker, its option switched per case
-            step[:] = [AscendStoreMetadata(loads=[LoadSpec("bench", tenant, chunks, is_async=True)])]
+            step[:] = [delivered(AscendStoreMetadata(loads=[LoadSpec("bench", tenant, chunks, is_async=True)]))]
 
         def conn_get_async() -> None:
             # The load thread's way (load_async): submitted here, waited for, collected
