@@ -117,8 +117,13 @@ def test_totals_are_every_take_plus_what_is_not_taken_yet() -> None:
     t = m.totals()
     assert t["lookups"] == 3 and t["queue_depth_max"] == 9 and t["hit_tokens/dram"] == 8 and t["degraded"] == 0
     assert m.take() == {"queue_depth_max": 9, "degraded": 0}  # a state that changed is reported once
+    idle = m._data
     assert m.take() == {}
+    assert m._data is idle  # an idle take (most steps) builds no fresh dict of zeros
     assert m.totals() == t
+    m.add(lookups=4)
+    assert m.take() == {"lookups": 4} and m.take() == {}
+    assert m.totals()["lookups"] == 7
 
 
 def test_counters_added_by_many_threads_while_taken_lose_nothing() -> None:

@@ -156,10 +156,12 @@ class EngineMetrics:
         """Counters since the last take (zeros dropped), then reset."""
         with self._lock:
             out = {k: v for k, v in self._data.items() if v}
-            self._fold(out)
-            out.update({k: v for k, v in self._states.items() if v or k in self._changed})
-            self._changed.clear()
-            self._data = dict.fromkeys(self.fields, 0)
+            if out:  # (an idle step, vLLM takes every step: no fresh dict of zeros)
+                self._fold(out)
+                self._data = dict.fromkeys(self.fields, 0)
+            if self._states:
+                out.update({k: v for k, v in self._states.items() if v or k in self._changed})
+                self._changed.clear()
         return out
 
     def _fold(self, data: dict[str, float]) -> None:
