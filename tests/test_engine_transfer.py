@@ -51,6 +51,93 @@ def test_guard_turns_overrun_and_exception_into_statuses():
     g.close()
 
 
+class _BoundedMem(MemBackend):
+    """MemBackend that returns by itself in time: the guard calls it inline."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[threading.Thread] = []
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(bounded_calls=True)
+
+    def _enter(self, op, keys):
+        self.threads.append(threading.current_thread())
+        super()._enter(op, keys)
+
+
+class _Monitor:
+    """Stands in for HealthMonitor: a degraded flag, and the calls it was shown."""
+
+    def __init__(self) -> None:
+        self.degraded = False
+        self.seen: list[tuple[str, list[Status]]] = []
+
+    def record(self, op, statuses):
+        self.seen.append((op, list(statuses)))
+
+    def close(self):
+        pass
+
+
+def _guard_outcomes(be: MemBackend, max_stuck: int = 4) -> list:
+    """Each case's statuses, the counters it added, and what the monitor and an
+    observer were shown, for one guard over ``be``."""
+    g = BackendGuard(be, timeout_s=5.0, max_stuck=max_stuck)
+    g.monitor = mon = _Monitor()
+    seen: list = []
+    g.observers.append(lambda op, st: seen.append((op, list(st))))
+    be.data["a"] = b"x"
+    out = []
+
+    def case(name, fn):
+        out.append((name, fn(), g.metrics.take(), mon.seen[:], seen[:]))
+        mon.seen.clear()
+        seen.clear()
+
+    case("some present", lambda: g.exists(["a", "b"]))
+    case("none", lambda: g.exists([]))
+    be.raise_on.add("exists")
+    case("raises", lambda: g.exists(["a", "b", "c"]))
+    be.raise_on.clear()
+    real = be.exists
+    be.exists = lambda keys, t: [0]  # one status for two keys
+    case("wrong length", lambda: g.exists(["a", "b"]))
+    be.exists = lambda keys, t: [0, 1]  # plain ints: normalized to Status
+    case("ints", lambda: g.exists(["a", "b"]))
+    be.exists = real
+    mon.degraded = True
+    case("degraded", lambda: g.exists(["a", "b"]))
+    case("degraded, ungated", lambda: g.exists(["a", "b"], gated=False))
+    mon.degraded = False
+    g.close()
+    case("closed", lambda: g.exists(["a"]))
+    return out
+
+
+def test_a_bounded_backend_called_inline_answers_as_the_general_path():
+    """The guard calls a backend declaring bounded_calls on the caller's thread,
+    by a shorter path (no PendingCall): every outcome the same as the general
+    path's, counters, health monitor and observers included."""
+    general, bounded = MemBackend(), _BoundedMem()
+    want, got = _guard_outcomes(general), _guard_outcomes(bounded)
+    assert [c[0] for c in got] == [c[0] for c in want]
+    for w, g in zip(want, got, strict=True):
+        assert g == w, w[0]
+    assert dict((c[0], c[1]) for c in got)["some present"] == [Status.OK, Status.NOT_FOUND]
+    assert dict((c[0], c[1]) for c in got)["ints"] == [Status.OK, Status.NOT_FOUND]
+    assert all(type(s) is Status for c in got for s in c[1])
+    assert bounded.threads and all(t is threading.current_thread() for t in bounded.threads)
+    # No spare thread for stuck calls (max_stuck 0): unavailable at once, and observed.
+    for be in (MemBackend(), _BoundedMem()):
+        g = BackendGuard(be, timeout_s=5.0, max_stuck=0)
+        g.monitor = mon = _Monitor()
+        assert g.exists(["a"]) == [Status.UNAVAILABLE] and not be.calls
+        assert mon.seen == [("exists", [Status.UNAVAILABLE])] and g.metrics.take() == {"unavailable": 1}
+        g.close()
+
+
 def test_lookup_is_one_batched_query_and_counts_a_prefix():
     be = MemBackend()
     kb = KeyBuilder("fp", RankPart(0), all_ranks=(RankPart(0), RankPart(1)))

@@ -103,7 +103,30 @@ class BackendGuard:
     def _call(
         self, op: str, n: int, args: tuple[Any, ...], timeout_s: float | None, gated: bool = True
     ) -> list[Status]:
+        if self.inline and n:
+            return self._call_inline(op, n, args, timeout_s, gated)
         return self.result(self._submit(op, n, args, timeout_s, gated))
+
+    def _call_inline(self, op: str, n: int, args: tuple[Any, ...], timeout_s: float | None, gated: bool) -> list[Status]:
+        """``_submit`` then ``result`` for a bounded backend, with the same outcome,
+        but no PendingCall and a few calls fewer. A step's save and load run it
+        right after the previous step's copy, which evicted the caches: every
+        function and object it touches is read from memory, ~15 us of ~30 for a
+        save's exists (64 keys) going through the general path."""
+        monitor = self.monitor
+        if gated and monitor is not None and monitor.degraded:
+            self.metrics.add(degraded_skipped_keys=n)
+            return [Status.UNAVAILABLE] * n
+        if self._closed or self._stuck >= self._max_stuck:  # (an inline call is never stuck: a flag read)
+            self.metrics.add(unavailable=n)
+            out = [Status.UNAVAILABLE] * n
+            if not self._closed:
+                self.observe(op, out)
+            return out
+        out = self._run_inline(op, n, args, self.timeout_s if timeout_s is None else timeout_s)
+        if monitor is not None or self.observers:
+            self._observe(op, out)
+        return out
 
     def _run_inline(self, op: str, n: int, args: tuple[Any, ...], timeout: float) -> list[Status]:
         # No thread hop: a lone small save or lookup costs one call, not two hand-offs.
