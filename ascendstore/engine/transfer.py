@@ -409,6 +409,9 @@ class TransferEngine:
         self.load_order: deque[list[str]] = deque(maxlen=64)
         #: keys of saves now in the pool, for KV events; drained by take_landed().
         self._landed_keys: list[str] = []
+        #: note landed keys at all: False when nobody drains them (KV events off),
+        #: which spares a step's save a lock and a list of its keys.
+        self.keeps_landed = True
         self._stop = threading.Event()
         self._name = name
         #: which engine thread this is (the load thread's gets may be watched).
@@ -727,6 +730,8 @@ class TransferEngine:
         return keys
 
     def _note_landed(self, keys: Iterable[str]) -> None:
+        if not self.keeps_landed:
+            return
         with self._lock:
             self._landed_keys.extend(keys)
             if len(self._landed_keys) > 1 << 16:

@@ -75,7 +75,7 @@ class AscendStoreConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from ascendstore_vllm.worker import AscendStoreWorker
 
-            self.worker = AscendStoreWorker(self.ctx)
+            self.worker = AscendStoreWorker(self.ctx, kv_events=self.kv_events)
             # Async scheduling plans a step before the previous one's failed loads are known.
             self.worker.repeat_failures = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
         # GR mode (gr.enabled): requests carrying a uid are the user store's alone;

@@ -76,7 +76,7 @@ class AscendStoreWorker:
     #: paths with it: host staging, or the device landing buffer).
     treat_kv_as_device = False
 
-    def __init__(self, ctx: ConnectorContext) -> None:
+    def __init__(self, ctx: ConnectorContext, *, kv_events: bool | None = None) -> None:
         self.ctx = ctx
         cfg = ctx.config
         self.metrics = EngineMetrics()
@@ -117,6 +117,8 @@ class AscendStoreWorker:
             stagger_delay_s=cfg.h2d_stagger_us / 1e6,
             name=f"ascendstore-tp{ctx.tp_rank}",
         )
+        # Landed keys feed KV events (take_landed); with events off nobody drains them.
+        self.engine.keeps_landed = bool(cfg.kv_events if kv_events is None else kv_events)
         self.keys = ctx.key_builder()
         self.layout: KVLayout | None = None
         self._kv_caches: dict[str, torch.Tensor] | None = None

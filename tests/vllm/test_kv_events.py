@@ -316,5 +316,9 @@ def test_no_event_work_unless_vllm_publishes(tmp_path):
         eng.run()
         assert eng.connector.take_events() == ()
         assert eng.workers[0].connector.build_connector_worker_meta() is None
+        # The saves ran, and noted no landed keys: nobody would drain them.
+        worker = eng.workers[0].connector.worker
+        assert worker.metrics.totals()["save_ops"] == 2
+        assert not worker.engine.keeps_landed and worker.engine.take_landed() == []
     finally:
         eng.close()
