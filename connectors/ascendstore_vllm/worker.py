@@ -456,9 +456,10 @@ class AscendStoreWorker:
 
     def wait_for_save(self) -> None:
         meta = self._meta
-        if meta is None or self.layout is None or self.ctx.config.use_layerwise:
+        # (a step without saves, most decode steps, asks nothing more)
+        if meta is None or not meta.saves or self.layout is None or self.ctx.config.use_layerwise:
             return
-        if not meta.saves or self._degraded(meta):
+        if self._degraded(meta):
             return
         before = self._ready_hook()
         if self.engine.fused and not self.ctx.hybrid:
