@@ -111,13 +111,16 @@ class BackendGuard:
         """``_submit`` then ``result`` for a bounded backend, with the same outcome,
         but no PendingCall and a few calls fewer. A step's save and load run it
         right after the previous step's copy, which evicted the caches: every
-        function and object it touches is read from memory, ~15 us of ~30 for a
-        save's exists (64 keys) going through the general path."""
+        function and object it touches is read from memory. A save's exists of 64
+        keys took 31-34 us through the general path, 25-28 this way, the backend's
+        own 14-15 (docs/benchmarking.md)."""
         monitor = self.monitor
         if gated and monitor is not None and monitor.degraded:
             self.metrics.add(degraded_skipped_keys=n)
             return [Status.UNAVAILABLE] * n
-        if self._closed or self._stuck >= self._max_stuck:  # (an inline call is never stuck: a flag read)
+        # (an inline call is never abandoned, so none is stuck; max_stuck 0 still
+        # refuses every call, as in the general path)
+        if self._closed or self._stuck >= self._max_stuck:
             self.metrics.add(unavailable=n)
             out = [Status.UNAVAILABLE] * n
             if not self._closed:
