@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 
 import pytest
 from chaos_helpers import MiB, pool_name, report
@@ -245,7 +246,9 @@ def test_two_instances_forced_to_one_identity_fail_fast(engines):
     start-up error naming the fix, never a lookup socket taken over."""
     from ascendstore.errors import ConfigError
 
-    extra = faulty_extra(pool_name(), lookup_mode="rpc", lookup_rpc_port=5556, instance_id="same-host-a")
+    # (an identity of this run's own: another test run on this host holds none of it)
+    extra = faulty_extra(pool_name(), lookup_mode="rpc", lookup_rpc_port=5556,
+                         instance_id=f"same-host-a-{uuid.uuid4().hex[:8]}")
     engines(extra)
     t0 = time.monotonic()
     with pytest.raises(ConfigError) as exc:

@@ -50,9 +50,11 @@ class Cluster:
         self.nodes: dict[str, Node] = {}
         self.bootstrap: dict[str, int] = {}
         common = {"protocol": "tcp", "backend": "local", "backend_config": pool}
+        # P1 pins its identity (instance_id): its lookup IPC path is then predictable.
+        # Unique per run: another test run on this host must not find it served.
+        self.p1_identity = f"host-a-{uuid.uuid4().hex[:8]}"
         self.configs = {
-            # P1 pins its identity (instance_id): its lookup IPC path is then predictable.
-            "P1": build_pd_config("prefill", instance=0, extra={"instance_id": "host-a"}, **common),
+            "P1": build_pd_config("prefill", instance=0, extra={"instance_id": self.p1_identity}, **common),
             "P2": build_pd_config("prefill", instance=1, **common),
             "D": build_pd_config("decode", instance=2, **common),
             "Dflags": build_pd_config("decode", instance=3, consumer_is_to_load=True, consumer_is_to_put=True,
@@ -194,7 +196,8 @@ def test_save_decode_cache_adds_the_chunks_filled_while_decoding(cluster: Cluste
 def test_broken_setups_stop_the_engine_at_start_up(cluster: Cluster) -> None:
     cluster.node("P1")  # running, serving lookups on its IPC path
     # A second instance on this host with P1's identity and lookup_rpc_port.
-    clash = build_pd_config("prefill", instance=0, extra={"instance_id": "host-a"}, protocol="tcp", backend="local",
+    clash = build_pd_config("prefill", instance=0, extra={"instance_id": cluster.p1_identity}, protocol="tcp",
+                            backend="local",
                             backend_config=cluster.configs["P1"]["kv_connector_extra_config"]["connectors"][1]
                             ["kv_connector_extra_config"]["backend_config"])
     with pytest.raises(RuntimeError, match="already served by another vLLM instance"):
