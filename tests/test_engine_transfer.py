@@ -81,10 +81,10 @@ class _Monitor:
         pass
 
 
-def _guard_outcomes(be: MemBackend, max_stuck: int = 4) -> list:
+def _guard_outcomes(be: MemBackend) -> list:
     """Each case's statuses, the counters it added, and what the monitor and an
     observer were shown, for one guard over ``be``."""
-    g = BackendGuard(be, timeout_s=5.0, max_stuck=max_stuck)
+    g = BackendGuard(be, timeout_s=5.0)
     g.monitor = mon = _Monitor()
     seen: list = []
     g.observers.append(lambda op, st: seen.append((op, list(st))))

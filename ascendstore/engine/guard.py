@@ -113,7 +113,10 @@ class BackendGuard:
         right after the previous step's copy, which evicted the caches: every
         function and object it touches is read from memory. A save's exists of 64
         keys took 31-34 us through the general path, 25-28 this way, the backend's
-        own 14-15 (docs/benchmarking.md)."""
+        own 14-15 (docs/benchmarking.md). The refusals below repeat ``_gate`` and
+        ``_submit``'s by hand: a helper shared with them cost 2-5 us of that back
+        (scratch, four alternating pairs). test_a_bounded_backend_called_inline_answers_as_the_general_path
+        keeps the two the same."""
         monitor = self.monitor
         if gated and monitor is not None and monitor.degraded:
             self.metrics.add(degraded_skipped_keys=n)
