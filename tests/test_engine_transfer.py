@@ -647,6 +647,25 @@ class DirectMem(MemBackend):
         return [self.status_of.get(k, s) for k, s in zip(keys, out, strict=True)]
 
 
+class AbsentMem(DirectMem):
+    """DirectMem with the local pool's ``put_absent``: a key it holds keeps its
+    value, answers OK and is reported; the rest are put (planted statuses apply)."""
+
+    def put_absent(self, keys, regions, present, timeout_s):
+        self._enter("put_absent", keys)
+        out = []
+        for i, (k, regs) in enumerate(zip(keys, regions, strict=True)):
+            if k in self.data:
+                present.append(i)
+                out.append(Status.OK)
+            elif k in self.status_of:
+                out.append(self.status_of[k])
+            else:
+                self.data[k] = b"".join(ctypes.string_at(r.addr, r.length) for r in regs)
+                out.append(Status.OK)
+        return out
+
+
 def _random_step(rng, buf: torch.Tensor, size: int):
     """Requests of 0-6 objects (some blocks already on the device: negative ids)."""
     from ascendstore.engine import StepObjects
@@ -739,23 +758,25 @@ def test_load_step_past_its_deadline_fails_fast():
 @pytest.mark.parametrize("seed", range(40))
 @pytest.mark.parametrize("inline", [True, False], ids=["inline", "save-thread"])
 def test_save_step_matches_one_save_per_request(seed, inline):
-    """One exists and one put for the step, same outcome as one save per request
-    (inline, or queued on the save thread): objects already pooled skipped,
-    failures and NO_SPACE counted, requests the save queue has no room for
-    dropped, landed keys reported, the queue's room given back."""
+    """One exists and one put for the step, or one ``put_absent`` where the
+    backend has it, same outcome as one save per request (inline, or queued on
+    the save thread): objects already pooled skipped, failures and NO_SPACE
+    counted, requests the save queue has no room for dropped, landed keys
+    reported, the queue's room given back."""
     import random
 
     rng = random.Random(seed)
     size = 32
     plan, pooled, results = {}, set(), []
     reserve = rng.choice([0, 64, 200])  # bytes of an async save in flight (makes the queue busy)
-    for fused in (True, False):
-        be = DirectMem()
+    for path in ("put_absent", "fused", "per-request"):
+        fused = path != "per-request"
+        be = AbsentMem() if path == "put_absent" else DirectMem()
         src = torch.randint(0, 255, (64 * size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
         _KEEP.append(src)
         step, ops = _random_step(random.Random(seed), src, size)
         for k in step.keys:
-            if fused:
+            if path == "put_absent":
                 plan[k] = rng.choice([Status.UNAVAILABLE, Status.NO_SPACE]) if rng.random() < 0.2 else Status.OK
                 if rng.random() < 0.3:
                     pooled.add(k)
@@ -773,8 +794,11 @@ def test_save_step_matches_one_save_per_request(seed, inline):
                 if req_ops:
                     eng.submit_save(req, req_ops, inline=inline)
         assert eng.wait("save", list(ops), 5)
-        if fused:
-            assert [op for op, _ in be.calls].count("put") <= 1
+        ops_called = [op for op, _ in be.calls]
+        if path == "put_absent":
+            assert ops_called.count("put_absent") <= 1 and "exists" not in ops_called and "put" not in ops_called
+        elif fused:
+            assert ops_called.count("put") <= 1
         if reserve:
             eng._save_slots -= 1
             eng._save_bytes -= reserve
@@ -782,7 +806,8 @@ def test_save_step_matches_one_save_per_request(seed, inline):
         results.append(({k: m.get(k, 0) for k in _COUNTED}, sorted(eng.take_landed()), dict(be.data),
                         eng._save_slots, eng._save_bytes))
         eng.shutdown()
-    assert results[0] == results[1]
+    assert results[0] == results[2]
+    assert results[1] == results[2]
 
 
 def test_save_step_leaves_a_step_saving_one_object_twice_to_the_per_request_path():

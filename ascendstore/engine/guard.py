@@ -107,7 +107,8 @@ class BackendGuard:
             return self._call_inline(op, n, args, timeout_s, gated)
         return self.result(self._submit(op, n, args, timeout_s, gated))
 
-    def _call_inline(self, op: str, n: int, args: tuple[Any, ...], timeout_s: float | None, gated: bool) -> list[Status]:
+    def _call_inline(self, op: str, n: int, args: tuple[Any, ...], timeout_s: float | None, gated: bool,
+                     fn: Callable[..., Any] | None = None) -> list[Status]:
         """``_submit`` then ``result`` for a bounded backend, with the same outcome,
         but no PendingCall and a few calls fewer. A step's save and load run it
         right after the previous step's copy, which evicted the caches: every
@@ -129,15 +130,16 @@ class BackendGuard:
             if not self._closed:
                 self.observe(op, out)
             return out
-        out = self._run_inline(op, n, args, self.timeout_s if timeout_s is None else timeout_s)
+        out = self._run_inline(op, n, args, self.timeout_s if timeout_s is None else timeout_s, fn)
         if monitor is not None or self.observers:
             self._observe(op, out)
         return out
 
-    def _run_inline(self, op: str, n: int, args: tuple[Any, ...], timeout: float) -> list[Status]:
+    def _run_inline(self, op: str, n: int, args: tuple[Any, ...], timeout: float,
+                    fn: Callable[..., Any] | None = None) -> list[Status]:
         # No thread hop: a lone small save or lookup costs one call, not two hand-offs.
         try:
-            result = getattr(self.backend, op)(*args, timeout)
+            result = (fn or getattr(self.backend, op))(*args, timeout)
         except Exception:
             log.exception("backend %s of %d keys raised; reporting UNAVAILABLE", op, n)
             self.metrics.add(unavailable=n)
@@ -265,6 +267,19 @@ class BackendGuard:
 
     def put(self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float | None = None) -> list[Status]:
         return self._call("put", len(keys), (list(keys), regions), timeout_s)
+
+    def put_absent(self, keys: Sequence[str], regions: Sequence[Sequence[Region]], present: list[int]) -> list[Status]:
+        """A put of only the keys the store lacks, in one call: the backend's own
+        ``put_absent`` (not in the contract; ``has_put_absent``), for a bounded
+        backend only. A held key keeps its value and answers OK, and its index is
+        appended to ``present``. Seen by the monitor and observers as a put."""
+        return self._call_inline("put", len(keys), (list(keys), regions, present), None, True,
+                                 self.backend.put_absent)  # type: ignore[attr-defined]
+
+    @property
+    def has_put_absent(self) -> bool:
+        """The backend runs on the caller's thread and offers ``put_absent``."""
+        return self.inline and callable(getattr(self.backend, "put_absent", None))
 
     def get(self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float | None = None) -> list[Status]:
         return self._call("get", len(keys), (list(keys), regions), timeout_s)

@@ -4,7 +4,8 @@ One thread per direction, each fed by a bounded queue. A task is a batch of
 chunk objects for one request (or one layer of it in layerwise mode); the
 thread issues it as few backend calls as the in-flight byte limit allows.
 Loads report the device blocks that failed, so vLLM recomputes exactly those;
-saves skip objects the pool already has (one batched exists per task) and are
+saves skip objects the pool already has (one batched exists per task, or inside a
+backend's ``put_absent``) and are
 written by one rank of a replica group (the caller filters with ReplicaGroup).
 Every wait here is bounded.
 
@@ -638,10 +639,11 @@ class TransferEngine:
         return failed
 
     def save_step(self, step: StepObjects) -> bool:
-        """A step's saves run now on this thread as one exists and one put (requires
-        ``fused``), the same outcome as one inline ``submit_save`` per request:
-        each request admitted against the save queue on its own (one not admitted
-        is dropped), objects already pooled skipped, landed keys noted. False
+        """A step's saves run now on this thread as one exists and one put, or one
+        ``put_absent`` where the backend has it (requires ``fused``), the same
+        outcome as one inline ``submit_save`` per request: each request admitted
+        against the save queue on its own (one not admitted is dropped), objects
+        already pooled skipped, landed keys noted. False
         (nothing done): two requests save the same object in this step, which
         the per-request path handles (the second finds the first's put)."""
         if step.shares_objects:
@@ -669,9 +671,9 @@ class TransferEngine:
         """A step's saves as one task on the save thread (requires ``fused``), the
         same outcome as one ``submit_save`` per request: each request admitted on
         its own (one without room is dropped), pending under its own id until the
-        task ends, objects already pooled skipped; one exists and one put. False
-        (nothing queued): two requests save the same object in this step (see
-        ``save_step``)."""
+        task ends, objects already pooled skipped; one exists and one put (or one
+        ``put_absent``). False (nothing queued): two requests save the same object
+        in this step (see ``save_step``)."""
         if not step.spans:
             return True
         if step.shares_objects:
@@ -695,6 +697,8 @@ class TransferEngine:
 
     def _save_flat(self, keys: list[str], regions: list[list[Region]], nbytes: int | None) -> None:
         """``nbytes``: of all the objects, if known (saves a pass over the regions)."""
+        if self.guard.has_put_absent:
+            return self._save_absent(keys, regions, nbytes)
         exists = self.guard.exists(keys)
         if Status.OK in exists:
             nbytes = None
@@ -719,6 +723,37 @@ class TransferEngine:
         no_space = statuses.count(Status.NO_SPACE)
         self.metrics.add(save_ops=len(good), save_bytes=sum(r.length for i in good for r in regions[i]),
                          save_time_s=dt, save_failures=n - len(good) - no_space, save_no_space=no_space)
+        if good:
+            self._note_landed(keys[i] for i in good)
+
+    def _save_absent(self, keys: list[str], regions: list[list[Region]], nbytes: int | None) -> None:
+        """``_save_flat`` as one call: the backend's ``put_absent`` skips what it
+        holds itself (the local pool, under the lock it takes anyway). The same
+        outcome as an exists then a put of the rest, and the same counters. It
+        saves the exists' call, which a step pays cold, right after its copy
+        evicted the caches (docs/benchmarking.md)."""
+        if not keys:
+            return
+        present: list[int] = []
+        t0 = time.perf_counter()
+        statuses = self.guard.put_absent(keys, regions, present)
+        dt = time.perf_counter() - t0
+        n = len(keys)
+        if not present and statuses.count(Status.OK) == n:  # the usual case: all stored, none held
+            if nbytes is None:
+                nbytes = sum(r.length for rs in regions for r in rs)
+            self.metrics.add(save_ops=n, save_bytes=nbytes, save_time_s=dt)
+            self._note_landed(keys)
+            return
+        # (an index of a key that did not end OK is not trusted as held)
+        held = {i for i in present if statuses[i] is Status.OK} if present else set()
+        if held:
+            self.metrics.add(save_skipped_existing=len(held))
+            self._note_landed(keys[i] for i in sorted(held))
+        good = [i for i, s in enumerate(statuses) if s is Status.OK and i not in held]
+        no_space = statuses.count(Status.NO_SPACE)
+        self.metrics.add(save_ops=len(good), save_bytes=sum(r.length for i in good for r in regions[i]),
+                         save_time_s=dt, save_failures=n - len(held) - len(good) - no_space, save_no_space=no_space)
         if good:
             self._note_landed(keys[i] for i in good)
 

@@ -1559,12 +1559,13 @@ typedef struct {
     uint64_t disk_off;
     uint32_t disk_seg;
     uint64_t cond_version; /* promotion: publish only if the key still has this version */
+    int present;           /* put_absent: the pool held the key already; nothing of this value stored */
 } item_t;
 
 typedef struct {
     item_t *items;
     Py_ssize_t n;
-    uint64_t arg; /* per-operation argument (pin: the lease in ns) */
+    uint64_t arg; /* per-operation argument (pin: the lease in ns; put: PUT_ABSENT or 0) */
     char *keybuf;
     reg_t *regbuf;
     uint32_t *pagebuf;
@@ -1723,6 +1724,23 @@ static PyObject *batch_result(batch_t *b) {
     if (!out) return NULL;
     for (Py_ssize_t i = 0; i < b->n; i++) PyList_SET_ITEM(out, i, status_obj(b->items[i].status));
     return out;
+}
+
+/* (statuses, indices of the keys the pool held already): put_absent's answer. */
+static PyObject *batch_result_present(batch_t *b) {
+    PyObject *out = batch_result(b);
+    PyObject *idx = out ? PyList_New(0) : NULL;
+    for (Py_ssize_t i = 0; idx && i < b->n; i++) {
+        if (!b->items[i].present) continue;
+        PyObject *k = PyLong_FromSsize_t(i);
+        if (!k || PyList_Append(idx, k) < 0) Py_CLEAR(idx);
+        Py_XDECREF(k);
+    }
+    if (!idx) {
+        Py_XDECREF(out);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", out, idx);
 }
 
 /* ------------------------------------------------------------------ data movement (no lock, no GIL) */
@@ -2058,11 +2076,33 @@ out:
 }
 
 /* Put (or promote, when items carry cond_version). */
+/* put's argument: a key the pool holds keeps its value and answers OK (marked
+ * ``present``), as exists then put of the rest would, in one call and one lock. */
+#define PUT_ABSENT 1
+
 static void op_put(Pool *p, batch_t *b, double deadline) {
     hdr_t *h = p->h;
     uint64_t P = h->page_size;
     int st = pool_lock(p, deadline);
     if (st) return set_pending(b, st);
+    const int absent_only = b->arg == PUT_ABSENT;
+    if (absent_only) {
+        /* Before any room is made: a held key neither evicts nor spills anything.
+         * Touched as exists touches it (a save of it is a use). */
+        for (Py_ssize_t i = 0; i < b->n; i++) {
+            item_t *it = &b->items[i];
+#define ITEM_HASH(k) (b->items[k].hash)
+            PROBE_AHEAD(p, i, b->n, ITEM_HASH);
+#undef ITEM_HASH
+            if (it->status != ST_PENDING) continue;
+            uint32_t e = find(p, it->key, it->klen, it->hash);
+            if (e != NONE32) {
+                touch(p, e);
+                it->status = ST_OK;
+                it->present = 1;
+            }
+        }
+    }
     if (h->disk_capacity && (st = spill_ahead(p, b, deadline)) != ST_OK) return set_pending(b, st);
     int swept = 0;
     for (Py_ssize_t i = 0; i < b->n; i++) {
@@ -2146,6 +2186,14 @@ static void op_put(Pool *p, batch_t *b, double deadline) {
         if (it->cond_version && (old == NONE32 || E[old].version != it->cond_version)) {
             reservation_drop(p, it->idx); /* the key changed meanwhile: keep the newer value */
             it->status = ST_OK;
+            continue;
+        }
+        if (absent_only && old != NONE32) {
+            /* another writer stored it while we copied: the first value stays */
+            reservation_drop(p, it->idx);
+            touch(p, old);
+            it->status = ST_OK;
+            it->present = 1;
             continue;
         }
         if (old != NONE32) { /* the new value keeps a lookup's pin on the key */
@@ -3123,7 +3171,7 @@ static double arg_deadline(double timeout_s) { return now_mono() + (timeout_s > 
 typedef void (*op_fn)(Pool *, batch_t *, double);
 
 static PyObject *run_batch_arg(Pool *p, PyObject *keys, PyObject *regions, double timeout_s, op_fn fn,
-                               int need_regs, int need_pages, uint64_t arg) {
+                               int need_regs, int need_pages, uint64_t arg, PyObject *(*result)(batch_t *)) {
     batch_t b;
     if (batch_parse(&b, keys, need_regs ? regions : NULL) < 0) return NULL;
     b.arg = arg;
@@ -3175,14 +3223,14 @@ static PyObject *run_batch_arg(Pool *p, PyObject *keys, PyObject *regions, doubl
         Py_END_ALLOW_THREADS
         leave(p);
     }
-    PyObject *out = batch_result(&b);
+    PyObject *out = result(&b);
     batch_free(&b);
     return out;
 }
 
 static PyObject *run_batch(Pool *p, PyObject *keys, PyObject *regions, double timeout_s, op_fn fn, int need_regs,
                            int need_pages) {
-    return run_batch_arg(p, keys, regions, timeout_s, fn, need_regs, need_pages, 0);
+    return run_batch_arg(p, keys, regions, timeout_s, fn, need_regs, need_pages, 0, batch_result);
 }
 
 static PyObject *Pool_pin(Pool *p, PyObject *args) {
@@ -3193,7 +3241,7 @@ static PyObject *Pool_pin(Pool *p, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "lease_s must be > 0 and <= 3600 (pins are short leases)");
         return NULL;
     }
-    return run_batch_arg(p, keys, NULL, t, op_pin, 0, 0, (uint64_t)(lease * 1e9));
+    return run_batch_arg(p, keys, NULL, t, op_pin, 0, 0, (uint64_t)(lease * 1e9), batch_result);
 }
 
 /* pin_breaks() -> int: the pool's count of pinned objects that left it other
@@ -3254,6 +3302,13 @@ static PyObject *Pool_put(Pool *p, PyObject *args) {
     double t;
     if (!PyArg_ParseTuple(args, "OOd", &keys, &regs, &t)) return NULL;
     return run_batch(p, keys, regs, t, op_put, 1, 1);
+}
+
+static PyObject *Pool_put_absent(Pool *p, PyObject *args) {
+    PyObject *keys, *regs;
+    double t;
+    if (!PyArg_ParseTuple(args, "OOd", &keys, &regs, &t)) return NULL;
+    return run_batch_arg(p, keys, regs, t, op_put, 1, 1, PUT_ABSENT, batch_result_present);
 }
 
 static PyObject *Pool_get(Pool *p, PyObject *args) {
@@ -4216,6 +4271,8 @@ static PyObject *Pool_get_closed(Pool *p, void *c) { return PyBool_FromLong(atom
 static PyMethodDef Pool_methods[] = {
     {"exists", (PyCFunction)Pool_exists, METH_VARARGS, "exists(keys, timeout_s) -> [Status]"},
     {"put", (PyCFunction)Pool_put, METH_VARARGS, "put(keys, regions, timeout_s) -> [Status]"},
+    {"put_absent", (PyCFunction)Pool_put_absent, METH_VARARGS,
+     "put_absent(keys, regions, timeout_s) -> ([Status], [index of each key held already: OK, not written])"},
     {"pin", (PyCFunction)Pool_pin, METH_VARARGS, "pin(keys, lease_s, timeout_s) -> [Status]: exists + pin"},
     {"pin_breaks", (PyCFunction)Pool_pin_breaks, METH_NOARGS,
      "pin_breaks() -> int: pinned objects that left the pool other than by a newer value (-1: closed)"},

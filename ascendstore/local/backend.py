@@ -260,6 +260,20 @@ class LocalBackend(Backend):
     def put(self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float) -> list[Status]:
         return self._pool.put(keys, regions, timeout_s)
 
+    def put_absent(
+        self, keys: Sequence[str], regions: Sequence[Sequence[Region]], present: list[int], timeout_s: float
+    ) -> list[Status]:
+        """put of only the keys the pool lacks, in one native call under one lock:
+        a key it holds keeps its value (touched, as exists touches it) and answers
+        OK, and its index is appended to ``present``; so is one another writer
+        stored while this call copied (the first value stays). The engine's saves
+        use it for their dedup instead of an exists first (``BackendGuard.put_absent``).
+        Not part of the contract, like ``prefix_run``."""
+        statuses, held = self._pool.put_absent(keys, regions, timeout_s)
+        if held:
+            present.extend(held)
+        return statuses
+
     def get(self, keys: Sequence[str], regions: Sequence[Sequence[Region]], timeout_s: float) -> list[Status]:
         return self._pool.get(keys, regions, timeout_s)
 

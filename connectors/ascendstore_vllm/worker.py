@@ -463,7 +463,8 @@ class AscendStoreWorker:
             return
         before = self._ready_hook()
         if self.engine.fused and not self.ctx.hybrid:
-            # The step's saves as one exists and one put: here (inline) or on the save thread.
+            # The step's saves as one exists and one put (one put_absent where the backend has
+            # it): here (inline) or on the save thread.
             step = self._step_objects(meta.saves, writer_only=True)
             inline = self._can_inline_save() and (step.nbytes if self.ctx.replicas.size == 1 else sum(
                 len(c.block_ids) for s in meta.saves for c in s.chunks) * self._chunk_bytes
