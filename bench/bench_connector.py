@@ -18,6 +18,8 @@
    load thread) beside the sync load's (vLLM's forward thread), the async get
    into vLLM's blocks (``direct_async_loads``), and the put with the exists the
    engine asked before it until Mooncake declared ``dedups_puts``; it skips part 2.
+   With the local pool, ``put exists first`` is the step's save as an exists and
+   a put, as before the pool's ``put_absent`` did the dedup inside the put.
    ``--segment remote`` (with ``BENCH_CLOCK=wall``) puts the objects in another
    client's segment (a lender process; the worker's client lends none), so every
    transfer crosses a TCP socket on loopback, as from another node's memory.
@@ -179,13 +181,15 @@ def transfer_ratio(backend: str, num_chunks: int, rounds: int, blocks_per_chunk:
         # caches: there the chunk refs are the same objects every step, read cold.
         step: list[AscendStoreMetadata] = []
 
-        dedups = w.engine.dedups_puts
+        dedups, absent = w.engine.dedups_puts, w.engine.puts_absent
 
         def prep_put(exists_first: bool = False) -> None:
             clear()
-            # (a store whose put turns duplicates away, Mooncake, is asked no exists first
-            # unless the case says so: the same worker, the engine's flag switched per case)
+            # (a store whose put turns duplicates away, Mooncake, is asked no exists first,
+            # and the local pool's put_absent skips what it holds itself, unless the case
+            # says so: the same worker, the engine's flags switched per case)
             w.engine.dedups_puts = dedups and not exists_first
+            w.engine.puts_absent = absent and not exists_first
             # (chunks the step computed: no device prefix hit's re-save)
             step[:] = [AscendStoreMetadata(saves=[SaveSpec("bench", tenant, chunks, computed=True)])]
 
@@ -239,7 +243,9 @@ def transfer_ratio(backend: str, num_chunks: int, rounds: int, blocks_per_chunk:
             # direct_async_loads: the async get into vLLM's blocks, no landing buffer.
             cases["conn get async direct"] = timed(conn_get_async, lambda: prep_get_async(True))
             compared.append("get async direct")
-            # The save's exists before its put, as before Mooncake declared dedups_puts.
+        if dedups or absent:
+            # The save's exists before its put: as before Mooncake declared dedups_puts, and
+            # before the local pool's step saves became one put_absent.
             cases["conn put exists first"] = timed(conn_put, lambda: prep_put(True))
             compared.append("put exists first")
         raw_put()

@@ -785,6 +785,7 @@ def test_save_step_matches_one_save_per_request(seed, inline):
             if plan[k] is not Status.OK:
                 be.status_of[k] = plan[k]
         eng = TransferEngine(BackendGuard(be, 1.0), save_queue_bytes=256)
+        assert eng.puts_absent == (path == "put_absent")
         if reserve:
             assert eng.admit_save(1, reserve)
         if fused:

@@ -370,6 +370,8 @@ class TransferEngine:
         self.direct_async_loads = direct_async_loads
         #: saves of computed chunks ask no exists first: the store's put turns away what it holds.
         self.dedups_puts = bool(caps.dedups_puts)
+        #: a step's save is one ``put_absent`` (the backend skips what it holds), not an exists and a put.
+        self.puts_absent = guard.has_put_absent
         # One staging buffer per direction; sync loads share the load one.
         self._stage_locks = {"load": threading.Lock(), "save": threading.Lock()}
         self.metrics = guard.metrics
@@ -697,7 +699,7 @@ class TransferEngine:
 
     def _save_flat(self, keys: list[str], regions: list[list[Region]], nbytes: int | None) -> None:
         """``nbytes``: of all the objects, if known (saves a pass over the regions)."""
-        if self.guard.has_put_absent:
+        if self.puts_absent:
             return self._save_absent(keys, regions, nbytes)
         exists = self.guard.exists(keys)
         if Status.OK in exists:

@@ -24,6 +24,9 @@ def test_bench_connector_quick_reports_every_figure():
                 g = t["gbps"][case]
                 assert 0 < g["min"] <= g["median"] <= g["max"], (t["objects"], case)
             assert t["ratio"][op]["median"] > 0
+        # the step's save as an exists and a put, beside the local pool's put_absent
+        assert set(t["ratio"]) == {"put", "get", "put exists first"}
+        assert t["gbps"]["conn put exists first"]["median"] > 0
     s = res["scheduler"]
     assert s["running"] == 256 and s["engines"] == 3 and s["clock"] == "thread cpu"
     # One ratio per engine instance; each is connector time over schedule() time.
