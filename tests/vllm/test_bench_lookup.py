@@ -55,3 +55,9 @@ def test_bench_lookup_in_two_processes_reports_every_figure(tmp_path):
     for name in ("ratio", "ratio_cold", "ratio_native", "ratio_native_cold"):
         # (like parts 1 and 2, one figure per process: the median of its three rounds)
         assert c[name]["n"] == 2 == len(c[name]["per_process"]) and c[name]["median"] > 0, name
+    # its rounds split by host level too, so that agree compares like with like
+    clv = c["ratio_by_level"]
+    assert sum(clv["rounds"].values()) == 2 * res["rounds"] and "per_round" not in c
+    for level in ("fast", "slow"):
+        assert clv["rounds"][level] == 0 or set(clv[level]) == {"ratio", "ratio_cold", "ratio_native",
+                                                                 "ratio_native_cold"}
