@@ -43,7 +43,8 @@ median of ``--calls`` calls, ratios per round:
    one after the other: their entries sit side by side, which flatters a
    lookup. Like parts 1 and 2 this part runs in each of the ``--procs``
    processes, and each figure is the median over processes: where the tables
-   land in memory differs from one process to the next.
+   land in memory differs from one process to the next. Its rounds are probed
+   for the host's level and split by it too (``ratio_by_level``).
 
     .venv/bin/python bench/bench_lookup.py [--json out.json] [--quick]
     .venv/bin/python bench/bench_lookup.py --layers 32     # layerwise keys: 32 objects per chunk
