@@ -4,9 +4,9 @@ One thread per direction, each fed by a bounded queue. A task is a batch of
 chunk objects for one request (or one layer of it in layerwise mode); the
 thread issues it as few backend calls as the in-flight byte limit allows.
 Loads report the device blocks that failed, so vLLM recomputes exactly those;
-saves skip objects the pool already has (one batched exists per task, or inside a
-backend's ``put_absent``) and are
-written by one rank of a replica group (the caller filters with ReplicaGroup).
+saves skip objects the pool already has (one batched exists per task, or inside
+a backend's ``put_absent``) and are written by one rank of a replica group (the
+caller filters with ReplicaGroup).
 Every wait here is bounded.
 
 Ownership: once vLLM has a block back, no backend call may touch it. With a
@@ -645,9 +645,9 @@ class TransferEngine:
         ``put_absent`` where the backend has it (requires ``fused``), the same
         outcome as one inline ``submit_save`` per request: each request admitted
         against the save queue on its own (one not admitted is dropped), objects
-        already pooled skipped, landed keys noted. False
-        (nothing done): two requests save the same object in this step, which
-        the per-request path handles (the second finds the first's put)."""
+        already pooled skipped, landed keys noted. False (nothing done): two
+        requests save the same object in this step, which the per-request path
+        handles (the second finds the first's put)."""
         if step.shares_objects:
             return False
         # One inline save is admitted, runs and gives its room back before the

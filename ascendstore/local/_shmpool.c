@@ -2075,11 +2075,11 @@ out:
     free(runs);
 }
 
-/* Put (or promote, when items carry cond_version). */
 /* put's argument: a key the pool holds keeps its value and answers OK (marked
  * ``present``), as exists then put of the rest would, in one call and one lock. */
 #define PUT_ABSENT 1
 
+/* Put (or promote, when items carry cond_version). */
 static void op_put(Pool *p, batch_t *b, double deadline) {
     hdr_t *h = p->h;
     uint64_t P = h->page_size;
