@@ -193,6 +193,119 @@ def test_put_replaces_existing_value(make_pool):
     assert be.capabilities.overwrite_on_put
 
 
+# -- put_absent: a save's dedup inside the put (the same outcome as an exists, then a
+# put of the keys not found, in one native call), held keys reported ----------------
+def _read(be: LocalBackend, key: str, n: int) -> np.ndarray | None:
+    out = np.zeros(n, np.uint8)
+    (st,) = be.get([key], [split(out, [])], T)
+    return out if st is Status.OK else None
+
+
+def test_put_absent_keeps_held_values_and_reports_them(make_pool):
+    be = make_pool(capacity=8 * MiB, page_size=4 * KiB)
+    n = 48 * KiB + 100
+    old = [data(n, i) for i in range(3)]
+    assert be.put(["k0", "k2", "k4"], [split(v, []) for v in old], T) == [Status.OK] * 3
+    new = [data(n, 100 + i) for i in range(6)]
+    present: list[int] = []
+    keys = [f"k{i}" for i in range(6)]
+    assert be.put_absent(keys, [split(v, [n // 3, 2 * (n // 3)]) for v in new], present, T) == [Status.OK] * 6
+    assert present == [0, 2, 4]
+    for i, k in enumerate(keys):
+        want = old[i // 2] if i % 2 == 0 else new[i]
+        got = _read(be, k, n)
+        assert got is not None and np.array_equal(got, want), f"{k}: wrong bytes"
+    # a plain put of the same keys replaces (the test can tell the two apart)
+    assert be.put(["k0"], [split(new[0], [])], T) == [Status.OK]
+    assert np.array_equal(_read(be, "k0", n), new[0])
+
+
+def test_put_absent_evicts_nothing_when_every_key_is_held(make_pool):
+    be = make_pool(capacity=1 * MiB, page_size=4 * KiB)
+    n = 62 * KiB  # 16 pages each: 16 objects fill the pool
+    vals = [data(n, i) for i in range(16)]
+    keys = [f"k{i}" for i in range(16)]
+    assert be.put(keys, [split(v, []) for v in vals], T) == [Status.OK] * 16
+    before = be.stats()
+    assert before["pages_free"] < 16, "the pool should be full"
+    present: list[int] = []
+    assert be.put_absent(keys, [split(data(n, 99), [])] * 16, present, T) == [Status.OK] * 16
+    after = be.stats()
+    assert present == list(range(16))
+    assert after["evictions"] == before["evictions"] and after["puts"] == before["puts"]
+    for k, v in zip(keys, vals, strict=True):
+        assert np.array_equal(_read(be, k, n), v)
+
+
+@pytest.mark.parametrize("absent_only", [True, False], ids=["put_absent", "put"])
+def test_put_absent_keeps_the_first_value_of_a_key_stored_meanwhile(make_pool, absent_only):
+    """put_absent reserves, then copies with the pool unlocked (stalled here);
+    another client stores the key meanwhile: its value stays, and the stalled
+    call reports the key as held. A plain put in the same race replaces it."""
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    a = make_pool(name=name, capacity=8 * MiB, page_size=4 * KiB)
+    b = make_pool(name=name, capacity=8 * MiB, page_size=4 * KiB)
+    n = 20 * KiB
+    mine, theirs = data(n, 1), data(n, 2)
+    a.test_hooks().stall_puts(0.5)
+    present: list[int] = []
+    out: list = []
+
+    def write() -> None:
+        if absent_only:
+            out.append(a.put_absent(["k"], [split(mine, [])], present, T))
+        else:
+            out.append(a.put(["k"], [split(mine, [])], T))
+
+    t = threading.Thread(target=write)
+    t.start()
+    end = time.monotonic() + 5
+    while b.stats()["pages_reserved"] == 0 and time.monotonic() < end:
+        time.sleep(0.005)  # until the stalled call holds its reservation
+    assert b.stats()["pages_reserved"] > 0, "the stalled put never reserved"
+    assert b.put(["k"], [split(theirs, [])], T) == [Status.OK]
+    t.join(10)
+    a.test_hooks().stall_puts(0)
+    assert out == [[Status.OK]]
+    assert present == ([0] if absent_only else [])
+    assert np.array_equal(_read(b, "k", n), theirs if absent_only else mine)
+    assert a.stats()["pages_reserved"] == 0, "the dropped reservation's pages were not given back"
+
+
+def test_put_absent_counts_a_key_on_the_disk_tier_as_held(make_pool, tmp_path):
+    be = make_pool(capacity=1 * MiB, page_size=4 * KiB, disk_path=str(tmp_path), disk_capacity=8 * MiB)
+    n = 200 * KiB
+    first = data(n, 7)
+    assert be.put(["spilled"], [split(first, [])], T) == [Status.OK]
+    for i in range(8):  # push it out of DRAM
+        assert be.put([f"f{i}"], [split(data(n, i), [])], T) == [Status.OK]
+    assert be.stats()["disk_objects"] >= 1
+    present: list[int] = []
+    assert be.put_absent(["spilled"], [split(data(n, 8), [])], present, T) == [Status.OK]
+    assert present == [0]
+    assert np.array_equal(_read(be, "spilled", n), first)
+
+
+def test_put_absent_statuses_of_keys_it_cannot_store_beside_held_ones(make_pool):
+    be = make_pool(capacity=1 * MiB, page_size=4 * KiB)
+    small = data(4 * KiB, 1)
+    assert be.put(["held"], [split(small, [])], T) == [Status.OK]
+    huge = np.zeros(2 * MiB, np.uint8)  # larger than the pool: never storable
+    present: list[int] = []
+    out = be.put_absent(["new", "held", "huge"], [split(small, []), split(small, []), split(huge, [])], present, T)
+    assert out == [Status.OK, Status.OK, Status.INVALID] and present == [1]
+
+
+def test_put_absent_on_a_destroyed_pool_answers_unavailable_and_reports_nothing_held(make_pool):
+    be = make_pool(capacity=1 * MiB, page_size=4 * KiB)
+    small = data(4 * KiB, 1)
+    assert be.put(["held"], [split(small, [])], T) == [Status.OK]
+    be.test_hooks().break_store()
+    present: list[int] = []
+    assert be.put_absent(["held", "new"], [split(small, [])] * 2, present, T) == [Status.UNAVAILABLE] * 2
+    assert present == []
+
+
 def test_remove_prefix_and_listing(make_pool):
     be = make_pool()
     a = data(100, 1)
