@@ -21,6 +21,7 @@ from ascendstore.engine import BackendGuard, EngineMetrics, KeyBuilder, PoolLook
 from ascendstore.engine.lookup import first_other
 from ascendstore.engine.metrics import COUNTERS, GAUGES
 from ascendstore.keys import RankPart
+from ascendstore.local import _shmpool
 
 OK, NF, TO, UN = Status.OK, Status.NOT_FOUND, Status.TIMEOUT, Status.UNAVAILABLE
 
@@ -94,6 +95,28 @@ def test_raw_hashes_make_the_same_keys_as_their_hex() -> None:
     lk = PoolLookup(BackendGuard(be, 1.0), kb, 1.0)
     assert lk.prefix_hits("-", raw) == lk.prefix_hits("-", hexes) == 3
     assert be.calls[0][1] == be.calls[1][1]
+
+
+
+@pytest.mark.parametrize("fingerprint", ["fp", "fp-\u00e9"])  # the second: a non-ASCII prefix (Python's path)
+def test_keys_of_raw_hashes_are_each_prefix_then_the_hex(fingerprint) -> None:
+    # Built in C (hex_keys) where every prefix is ASCII, in Python otherwise: the
+    # same keys either way, chunk-major, hashes of any length (an empty one too).
+    raw = [hashlib.sha256(str(i).encode()).digest() for i in range(300)] + [b"", b"\x00\xff\x0a", bytes(range(256))]
+    for ranks in (1, 2, 5):
+        kb = KeyBuilder(fingerprint, RankPart(0), all_ranks=tuple(RankPart(r) for r in range(ranks)))
+        prefixes = kb.lookup_keys("t1", "")
+        flat, width = kb.lookup_keys_flat("t1", raw)
+        assert width == ranks and flat == [p + h.hex() for h in raw for p in prefixes]
+        assert all(k.isascii() for k in flat) == fingerprint.isascii()
+
+
+def test_hex_keys_refuses_what_is_not_an_ascii_prefix_or_raw_hash() -> None:
+    assert _shmpool.hex_keys(["a/"], [b"\x01", b"\xfe"]) == ["a/01", "a/fe"]
+    assert _shmpool.hex_keys(["a/", "b/"], []) == [] and _shmpool.hex_keys([], [b"\x01"]) == []
+    for prefixes, hashes in ((["a/"], ["01"]), (["a/"], [b"\x01", None]), (["\u00e9/"], [b"\x01"]), ([1], [b"\x01"])):
+        with pytest.raises(TypeError):
+            _shmpool.hex_keys(prefixes, hashes)
 
 
 # -- counters ------------------------------------------------------------------------------
