@@ -254,6 +254,8 @@ def test_exists_pin_and_unpin_answer_each_key_of_a_mixed_batch_in_order(open_bac
     assert b.exists(present, T) == [Status.OK] * 6
     assert b.stats()["exists_cache_hits"] == hits + (6 if ttl else 0)
     assert b.pin(present, 10.0, T) == [Status.OK] * 6
+    assert b.unpin(present, T) == [Status.OK] * 6  # (every key valid: one list, no pass per key)
+    assert b.unpin(["", *present[:2]], T) == [Status.INVALID, Status.OK, Status.OK]
     # One of them removed: the cache no longer answers for it.
     assert b.remove([present[5]], T) == [Status.OK]
     assert b.exists(present, T) == [Status.OK] * 5 + [Status.NOT_FOUND]
