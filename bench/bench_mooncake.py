@@ -39,8 +39,11 @@ keys with the exists cache off (``exists``) and with every answer fresh in it
 (``exists/cached``); ``PoolLookup.prefix_hits`` given the chunks' raw hashes as
 vLLM's scheduler has them (``lookup``: keys built, one ``exists``, the first miss);
 and a new request's first lookup with pins on (``lookup/pinned``: a request id each
-time, the exists cache off, its pins let go of outside the timing). Interleaved
-round by round like the transfers; ratios per round.
+time, the exists cache off, its pins let go of outside the timing); the same with the
+backend's options as shipped (``lookup/pinned/cache``: the exists cache on at its
+default TTL, which the pin's answers fill for the request's next lookups; emptied
+outside the timing, as a new prompt's keys are not in it). Interleaved round by
+round like the transfers; ratios per round.
 
     .venv/bin/python bench/bench_mooncake.py [--rounds 5] [--batch 32] [--pin-cpu N] [--user-offset N] [--json]
 """
@@ -188,7 +191,10 @@ def _measure_lookup(chunks: int, rounds: int, address: str) -> dict:
     fresh = create_backend("mooncake", {**conf, "exists_cache_ttl_s": 0}, BackendContext(role="worker"))
     # (a ttl far beyond the run: every answer stays fresh; the first call fills the cache)
     cached = create_backend("mooncake", {**conf, "exists_cache_ttl_s": 3600}, BackendContext(role="scheduler"))
+    # (a scheduler's client as shipped: the exists cache at its default ttl)
+    shipped = create_backend("mooncake", conf, BackendContext(role="scheduler"))
     guard = BackendGuard(fresh, timeout_s=TIMEOUT_S)  # (the engine's: closing it closes ``fresh``)
+    shipped_guard = BackendGuard(shipped, timeout_s=TIMEOUT_S)
     try:
         raw = fresh._store
         tenant = tenant_id("bench-lookup")
@@ -203,7 +209,9 @@ def _measure_lookup(chunks: int, rounds: int, address: str) -> dict:
         assert lookup.prefix_hits(tenant, hashes) == chunks
         # (a lease far beyond the run; each timed lookup is a new request's first)
         pinning = PoolLookup(guard, kb, TIMEOUT_S, pin_lease_s=60.0)
-        assert pinning.pins is not None
+        shipped_pinning = PoolLookup(shipped_guard, kb, TIMEOUT_S, pin_lease_s=60.0)
+        assert pinning.pins is not None and shipped_pinning.pins is not None
+        assert shipped.options.exists_cache_ttl_s > 0
         requests = iter(range(10**9))
         assert cached.exists(keys, TIMEOUT_S) == [Status.OK] * len(keys)
 
@@ -217,32 +225,41 @@ def _measure_lookup(chunks: int, rounds: int, address: str) -> dict:
                 return statistics.median(out) * 1e6
             return run
 
-        def first_pinned() -> float:
-            out = []
-            for _ in range(LOOKUP_CALLS):
-                req = f"req-{next(requests)}"
-                t0 = time.perf_counter()
-                hits = pinning.prefix_hits(tenant, hashes, req_id=req)
-                out.append(time.perf_counter() - t0)
-                assert hits == chunks and pinning.pins.holding(req)
-                pinning.pins.release(req)  # (outside the timing: the request's load ended)
-            return statistics.median(out) * 1e6
+        def first_pinned(lookup: PoolLookup, forget: Callable[[], None] | None = None) -> Callable[[], float]:
+            pins = lookup.pins
+            assert pins is not None
+
+            def run() -> float:
+                out = []
+                for _ in range(LOOKUP_CALLS):
+                    req = f"req-{next(requests)}"
+                    if forget is not None:
+                        forget()  # (untimed: a new prompt's keys are not cached)
+                    t0 = time.perf_counter()
+                    hits = lookup.prefix_hits(tenant, hashes, req_id=req)
+                    out.append(time.perf_counter() - t0)
+                    assert hits == chunks and pins.holding(req)
+                    pins.release(req)  # (outside the timing: the request's load ended)
+                return statistics.median(out) * 1e6
+            return run
 
         cases = {
             "raw": timed(lambda: raw.batch_is_exist(keys)),
             "exists": timed(lambda: fresh.exists(keys, TIMEOUT_S)),
             "exists/cached": timed(lambda: cached.exists(keys, TIMEOUT_S)),
             "lookup": timed(lambda: lookup.prefix_hits(tenant, hashes)),
-            "lookup/pinned": first_pinned,
+            "lookup/pinned": first_pinned(pinning),
+            "lookup/pinned/cache": first_pinned(shipped_pinning, shipped._forget_all),
         }
         s = interleave(cases, rounds, warmup=1)
         raw.batch_remove(keys, True)
     finally:
         guard.close()
+        shipped_guard.close()
         cached.close()
     return {"chunks": chunks, "keys": len(keys), "us": {k: stat(v).as_dict() for k, v in s.items()},
             "ratio": {k: ratios(s[k], s["raw"]).as_dict() for k in ("exists", "exists/cached", "lookup",
-                                                                         "lookup/pinned")}}
+                                                                         "lookup/pinned", "lookup/pinned/cache")}}
 
 
 def _fmt(d: dict, digits: int = 2) -> str:
@@ -308,7 +325,8 @@ def main(
                   f"\\[min..max] over {rounds} interleaved rounds: raw batch_is_exist {_fmt(us['raw'], 0)}; ours ÷ raw: "
                   f"exists {_fmt(r['exists'])}, exists all cached {_fmt(r['exists/cached'])}, "
                   f"PoolLookup from raw hashes {_fmt(r['lookup'])}, a request's first lookup with pins on "
-                  f"{_fmt(r['lookup/pinned'])}")
+                  f"{_fmt(r['lookup/pinned'])}, and with the exists cache on as shipped (the pin's answers "
+                  f"fill it) {_fmt(r['lookup/pinned/cache'])}")
     con.print(env_line(env0, env_info()))
 
 
