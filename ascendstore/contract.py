@@ -19,6 +19,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
+from ascendstore.local._shmpool import keys_fit as _keys_fit  # (the core's one C extension)
+
 
 class Status(enum.IntEnum):
     """Per-key result of a backend call."""
@@ -186,6 +188,14 @@ def caller_may_block() -> bool:
 def blocking_caller() -> AbstractContextManager[None]:
     """The engine's side of :func:`caller_may_block` (and tests that play it)."""
     return _Marked("may_block")
+
+
+def keys_fit(keys: Sequence[str], max_bytes: int) -> bool:
+    """Every key a non-empty ASCII str of at most ``max_bytes`` (an ASCII key's
+    length is its byte count): a batch a backend may send as it is. The usual
+    batch, judged without a Python pass per key (a 128k prompt's lookup asks about
+    1024); False only says some key needs a closer look."""
+    return _keys_fit(keys, max_bytes)
 
 
 @dataclass(frozen=True, slots=True)

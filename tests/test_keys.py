@@ -2,11 +2,13 @@
 
 import hashlib
 import os
+import random
 import subprocess
 import sys
 
 import pytest
 
+from ascendstore.contract import keys_fit
 from ascendstore.keys import (
     KVFingerprint,
     PoolKey,
@@ -104,3 +106,31 @@ def test_model_key_name_is_key_safe():
     n = model_key_name("/models/Qwen/Qwen3 8B@v2/")
     assert "@" not in n and " " not in n and n.startswith("Qwen3_8B_v2.")
     assert model_key_name("a/b") != model_key_name("c/b")
+
+
+class _Key(str):
+    """A str subclass: its characters live apart from the object (not compact)."""
+
+
+def _fits(keys, max_bytes: int) -> bool:
+    # the rule, key by key
+    return all(isinstance(k, str) and k.isascii() and 0 < len(k) <= max_bytes for k in keys)
+
+
+def test_keys_fit_answers_the_per_key_rule_for_a_batch() -> None:
+    # Every key a non-empty ASCII str within the bound: what a backend may send as
+    # it is. Judged in C from each str's flags; never True for a batch with a misfit.
+    rng = random.Random(7)
+    kinds = ["a", "k" * 16, "k" * 17, "", "\u043a\u043b\u044e\u0447", "\u00e9", "ok/\u20ac", b"bytes", None, 5,
+             "y" * 4096, "y" * 4097, _Key("abc")]
+    for _ in range(3000):
+        keys = [rng.choice(kinds) for _ in range(rng.randrange(0, 6))]
+        for max_bytes in (16, 4096):
+            got = keys_fit(keys, max_bytes)
+            if any(type(k) is _Key for k in keys):
+                assert not got or _fits(keys, max_bytes)  # (a subclass may be sent for a closer look)
+            else:
+                assert got == _fits(keys, max_bytes), (keys, max_bytes)
+    assert keys_fit([], 1) and keys_fit(("a", "b"), 1) and not keys_fit(("a", "bb"), 1)
+    with pytest.raises(TypeError):
+        keys_fit(5, 1)  # type: ignore[arg-type]

@@ -30,6 +30,7 @@ from ascendstore.contract import (
     Health,
     Region,
     Status,
+    keys_fit,
 )
 from ascendstore.errors import ConfigError
 from ascendstore_memcache import conf, preflight
@@ -369,16 +370,10 @@ class MemcacheBackend(GvaFlow, Backend):
         return out
 
     def _valid_keys(self, keys: list[str]) -> list[bool] | None:
-        """None when every key is one MemCache takes (C-level passes: an ASCII key's
-        length is its byte count, and a string of all keys is ASCII when each is),
-        else a verdict per key."""
-        try:
-            if keys and "".join(keys).isascii():
-                lengths = set(map(len, keys))
-                if min(lengths) > 0 and max(lengths) <= MAX_KEY_BYTES:
-                    return None
-        except TypeError:  # not all str: judged one by one
-            pass
+        """None when every key is one MemCache takes (``keys_fit``: no Python pass
+        per key for the usual batch), else a verdict per key."""
+        if keys and keys_fit(keys, MAX_KEY_BYTES):
+            return None
         return [self._key_ok(k) for k in keys]
 
     @staticmethod

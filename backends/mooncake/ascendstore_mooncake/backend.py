@@ -34,6 +34,7 @@ from ascendstore.contract import (
     Status,
     caller_is_watched,
     caller_may_block,
+    keys_fit,
 )
 from ascendstore_mooncake.errors import OBJECT_NOT_FOUND, TRANSFER_FAIL, status_of
 from ascendstore_mooncake.guard import NativeGuard, Outcome
@@ -412,17 +413,10 @@ class MooncakeBackend(Backend):
         return out if whole else _filled(out, Status.UNAVAILABLE)  # type: ignore[return-value]
 
     def _valid(self, keys: Sequence[str]) -> list[Status | None]:
-        """None for each key Mooncake takes, INVALID for the others (C-level passes
-        when every key is fine, as in every batch the engine makes: a str is ASCII
-        when a string of all of them is)."""
-        n = len(keys)
-        try:
-            if n and "".join(keys).isascii():
-                lengths = set(map(len, keys))
-                if min(lengths) > 0 and max(lengths) <= self._caps.max_key_bytes:
-                    return [None] * n
-        except TypeError:  # not all str: judged one by one
-            pass
+        """None for each key Mooncake takes, INVALID for the others (``keys_fit``: no
+        Python pass per key when every key is fine, as in every batch the engine makes)."""
+        if keys_fit(keys, self._caps.max_key_bytes):
+            return [None] * len(keys)
         return [None if self._key_ok(k) else Status.INVALID for k in keys]
 
     def _is_exist(self, keys: Sequence[str], out: list[Status | None], ask: Sequence[int],
@@ -649,7 +643,7 @@ def _filled(out: list[Status | None], default: Status) -> list[Status]:
         return out  # type: ignore[return-value]  # (every answer given: no pass per key)
     if out[0] is None and out.count(None) == len(out):
         # none given (an unpin of valid keys: a request's lookup pins let go of, 1024
-        # keys for a 128k prompt): no pass per key in Python, ~20 us of that call
+        # keys for a 128k prompt): no pass per key in Python (9.3 us to 1.1 there)
         return [default] * len(out)
     return [default if s is None else s for s in out]
 
