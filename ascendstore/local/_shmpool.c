@@ -4529,8 +4529,8 @@ out:
 /* hex_keys(prefixes, hashes) -> list[str]: each prefix + the lowercase hex of each
  * raw hash, chunk-major ([p + h.hex() for h in hashes for p in prefixes]). The
  * keys a lookup asks a backend without a native scan (Mooncake, MemCache) about:
- * in Python each is two new strings (the hex, then the key), 63-72 ns a key, ~70 us
- * of a 128k prompt's lookup; here one string each, its digits by hex_encode.
+ * in Python each is two new strings (the hex, then the key), 60-72 us for a 128k
+ * prompt's 1024; here one string each, its digits by hex_encode (14 us).
  * prefixes: ASCII str; hashes: bytes. Anything else raises TypeError. */
 static PyObject *mod_hex_keys(PyObject *m, PyObject *args) {
     PyObject *prefs, *hashes;
