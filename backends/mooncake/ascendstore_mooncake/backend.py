@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from itertools import islice, repeat
 from typing import Any
 
 from ascendstore.contract import (
@@ -378,14 +379,14 @@ class MooncakeBackend(Backend):
             return
         with self._cache_lock:
             if whole:
-                self._exists_cache.update(dict.fromkeys(names, now))
+                # (pairs straight into the cache: a dict of the keys first, then an update,
+                # took 87 us for a 128k prompt's 1024 against 70 into a cache of 32768)
+                self._exists_cache.update(zip(names, repeat(now)))
             else:
                 for i in ask:
                     if out[i] is Status.OK:
                         self._exists_cache[keys[i]] = now
-            if len(self._exists_cache) > 65536:  # bounded: drop the oldest half
-                for k in sorted(self._exists_cache, key=self._exists_cache.get)[:32768]:
-                    del self._exists_cache[k]
+            _trim(self._exists_cache, now - self.options.exists_cache_ttl_s, EXISTS_CACHE_MAX, len(names))
 
     def pin(self, keys: Sequence[str], lease_s: float, timeout_s: float) -> list[Status]:
         """Mooncake 0.3 cannot pin a stored object (soft and hard pins are set by
@@ -635,6 +636,35 @@ class _Hooks:
 
     def delay(self, seconds: float) -> None:
         self._backend._delay_s = max(0.0, seconds)
+
+
+#: most answers the exists cache keeps (a 128k-token prompt's lookup is 1024 keys a rank)
+EXISTS_CACHE_MAX = 65536
+#: stale answers a call drops beyond as many as it added (a backlog drains by this much a call)
+_TRIM_EXTRA = 256
+
+
+def _trim(cache: dict[str, float], cutoff: float, limit: int, added: int) -> None:
+    """Drop answers dated ``cutoff`` or before from the cache's oldest end, at most
+    ``added`` + _TRIM_EXTRA of them; then, still over ``limit``, the oldest, fresh or not.
+
+    Answers go in as they arrive, so the front holds the oldest. A refreshed key keeps
+    its place: the sweep stops at the first fresh answer and stale ones behind it wait
+    (a stale answer is never used: each is dated). So each answer is dropped once and a
+    call drops about as many as it added: no pass over the whole cache and no sort, where
+    sorting 65536 answers by age to drop half held the caller (a scheduler's lookup)
+    ~5 ms once every 32768 new keys (17-22 ms with their dates out of order)."""
+    drop: list[str] = []
+    most = added + _TRIM_EXTRA
+    for k, t in cache.items():
+        if t > cutoff or len(drop) >= most:
+            break
+        drop.append(k)
+    over = len(cache) - len(drop) - limit
+    if over > 0:
+        drop.extend(islice(cache, len(drop), len(drop) + over))
+    for k in drop:
+        del cache[k]
 
 
 def _filled(out: list[Status | None], default: Status) -> list[Status]:
