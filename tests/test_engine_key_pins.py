@@ -74,10 +74,11 @@ def test_a_first_lookup_is_one_pin_call_and_keeps_only_the_counted_run(pool):
     assert calls == [("pin", 6), ("unpin", 2)]
     assert pool.pinned() == 3 and lk.pins._held["r"].units == keys[:3]
     assert lk.guard.metrics.totals()["lookups"] == 1
-    # The request waits and is looked up again: an exists, no pin (same run, lease fresh).
+    # The request waits and is looked up again: its run is pinned (lease fresh), so
+    # only the chunks after it are asked about, and no pin.
     calls.clear()
     assert lk.prefix_hits("", hashes, 0, "r") == 3
-    assert calls == [("exists", 6)]
+    assert calls == [("exists", 3)]
     # Another request's first lookup of the same prompt: its own pin call; both hold 0-2.
     calls.clear()
     assert lk.prefix_hits("", hashes, 0, "s") == 3
@@ -86,6 +87,63 @@ def test_a_first_lookup_is_one_pin_call_and_keeps_only_the_counted_run(pool):
     assert pool.pinned() == 3, "s still holds the run r let go of"
     lk.pins.release("s")
     assert pool.pinned() == 0 and lk.pins.holders() == 0
+
+
+def test_a_waiting_request_is_not_asked_about_the_run_it_holds(pool):
+    # vLLM looks a waiting request up every step. Its pinned run is not asked about
+    # again while half its lease is left: a whole prompt held makes no call; more
+    # present after the run, a renewal, or another start is one pin of every key.
+    lk, kb, calls = _lookup(pool)
+    now = [0.0]
+    lk.pins._clock = lambda: now[0]
+    hashes = [f"w{i}" for i in range(6)]
+    keys = kb.lookup_keys_flat("", hashes)[0]
+    _put(pool, keys[:4])
+    assert lk.prefix_hits("", hashes, 0, "r") == 4
+    calls.clear()
+    assert lk.prefix_hits("", hashes, 0, "r") == 4
+    assert calls == [("exists", 2)]  # chunks 4 and 5 only
+    # Chunk 4 arrives (another engine saved it): the tail shows it, one pin takes the longer run.
+    _put(pool, keys[4:5])
+    calls.clear()
+    assert lk.prefix_hits("", hashes, 0, "r") == 5
+    assert calls == [("exists", 2), ("pin", 6)]
+    assert lk.pins._held["r"].run == ("", 0, "w0", "w4", 5) and pool.pinned() == 5
+    # The whole prompt held: no call, and the lookup is counted.
+    _put(pool, keys[5:])
+    assert lk.prefix_hits("", hashes, 0, "r") == 6
+    calls.clear()
+    looked = lk.guard.metrics.totals()["lookups"]
+    assert lk.prefix_hits("", hashes, 0, "r") == 6
+    assert calls == [] and lk.guard.metrics.totals()["lookups"] == looked + 1
+    # Half the lease gone: one pin renews it (and would count a chunk that left since).
+    now[0] += lk.pins.lease_s / 2
+    calls.clear()
+    assert lk.prefix_hits("", hashes, 0, "r") == 6
+    assert calls == [("pin", 6)]
+    assert lk.prefix_hits("", hashes, 0, "r") == 6 and calls == [("pin", 6)]
+    # Another start (the device now has chunks 0-1): not the run it holds, one pin from there.
+    calls.clear()
+    assert lk.prefix_hits("", hashes, 2, "r") == 6
+    assert calls == [("pin", 4), ("unpin", 2)]  # (chunks 0-1 let go of: no longer its)
+    assert lk.pins._held["r"].run == ("", 2, "w2", "w5", 4) and pool.pinned() == 4
+    # Another tenant's prompt of the same hashes: not its run either.
+    calls.clear()
+    assert lk.prefix_hits("t2", hashes, 2, "r") == 2
+    assert calls == [("pin", 4), ("unpin", 4)]
+    assert lk.pins.holders() == 0 and pool.pinned() == 0
+
+
+def test_a_degraded_backend_lets_a_waiting_request_go(pool):
+    lk, kb, calls = _lookup(pool)
+    hashes = ["g0", "g1"]
+    _put(pool, kb.lookup_keys_flat("", hashes)[0])
+    assert lk.prefix_hits("", hashes, 0, "r") == 2 and pool.pinned() == 2
+    lk.guard.monitor = type("Sick", (), {"degraded": True})()  # type: ignore[assignment]
+    calls.clear()
+    assert lk.prefix_hits("", hashes, 0, "r") == 0  # a miss: the load is recomputed
+    # (let go of in the ledger; the degraded guard sends nothing: the pool's pins end with the lease)
+    assert calls == [("unpin", 2)] and lk.pins.holders() == 0
 
 
 def test_a_first_lookup_from_an_offset_pins_from_there(pool):

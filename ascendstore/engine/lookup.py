@@ -7,8 +7,9 @@ pins on, a scan that can pin (``prefix_run(..., lease_s=)`` and ``unpin_run``)
 pins what it counts in that same call. On a backend without a native scan, a
 request's first lookup is one ``pin`` of every key (the contract's ``pin`` is an
 ``exists`` that also pins), and the keys pinned past the first miss are let go
-of; a later lookup of a request that holds pins is an ``exists``, and a ``pin``
-of the counted keys only when the run changed or half the lease is gone.
+of; a later lookup of a request that holds its pinned run asks only about the
+chunks after that run (nothing, when the run is the whole prompt), and is one
+``pin`` again when the run changed or half the lease is gone.
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ class PoolLookup:
             return self._prefix_hits(tenant, chunk_hashes, start)
         if self.pins.by_run:
             return self._pinned_scan(tenant, chunk_hashes, start, req_id)
-        if self._scan is None and not self.pins.holding(req_id):
-            return self._pinning_exists(tenant, chunk_hashes, start, req_id)
+        if self._scan is None:
+            return self._pinned_keys(tenant, chunk_hashes, start, req_id)
         hits = self._prefix_hits(tenant, chunk_hashes, start)
         if hits <= start:
             self.pins.release(req_id)
@@ -94,11 +95,37 @@ class PoolLookup:
         flat, width = self.keys.lookup_keys_flat(tenant, counted)
         return start + self.pins.pin(req_id, flat, width, run)
 
+    def _pinned_keys(self, tenant: str, chunk_hashes: Sequence[str] | Sequence[bytes], start: int,
+                     req_id: str) -> int:
+        """A backend without a native scan. A request that holds its pinned run (this
+        prompt's from ``start``, half its lease left) is looked up again (vLLM asks
+        every step while it waits): only the chunks after that run are asked about,
+        none when the run is the whole prompt. The pin keeps the run's objects (the
+        contract): asking about them again each step was, on Mooncake, 1024 answers
+        checked in the exists cache for a 128k prompt, or a master round trip once
+        they aged past its TTL. Any other lookup (the first, a renewal, another run)
+        is one ``pin`` of every key from ``start``."""
+        pins = self.pins
+        assert pins is not None
+        if pins.holding(req_id) and not self._degraded():
+            # (under the ledger's lock: no release between the answer and the count)
+            with pins.pinning():
+                end = pins.held_run(req_id, tenant, chunk_hashes, start)
+                if end is not None:
+                    if end == len(chunk_hashes):
+                        self.guard.metrics.add(lookups=1)
+                        return end
+                    if self._prefix_hits(tenant, chunk_hashes, end) == end:
+                        return end
+                    # more is present after the run now: pin the longer one (below)
+        return self._pinning_exists(tenant, chunk_hashes, start, req_id)
+
     def _pinning_exists(self, tenant: str, chunk_hashes: Sequence[str] | Sequence[bytes], start: int,
                         req_id: str) -> int:
-        """A request's first lookup on a backend without a native scan: one ``pin``
-        of every key answers and pins. An ``exists`` and then a ``pin`` of what it
-        counted was two calls (two master round trips on Mooncake, a new request's
+        """A request's first lookup on a backend without a native scan (or one whose
+        pinned run no longer answers it, ``_pinned_keys``): one ``pin`` of every key
+        answers and pins, replacing what the request held. An ``exists`` and then a
+        ``pin`` of what it counted was two calls (two master round trips on Mooncake, a new request's
         lookup at 3.1-3.4x the raw ``batch_is_exist``). Present keys past the first
         miss are pinned by the call too and let go of at once (an ``exists`` there
         would have touched them as well: on Mooncake both are read leases)."""
@@ -106,6 +133,8 @@ class PoolLookup:
         assert pins is not None
         todo = self._to_ask(chunk_hashes, start)
         if not todo:
+            if pins.holding(req_id):
+                pins.release(req_id)  # (nothing counted: what it held is not its to keep)
             return start
         flat, width = self.keys.lookup_keys_flat(tenant, todo)
         # (under the ledger's lock, as pin(): no release between the pins and their record)

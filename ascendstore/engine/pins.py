@@ -136,11 +136,25 @@ class LookupPins:
             if (h is None or h.run is None or h.scope != tenant or h.breaks < 0 or h.breaks != breaks
                     or h.expires - self._clock() <= self.lease_s / 2):
                 return None
-            _, s0, first, last, count = h.run
-        end = s0 + count
-        if s0 != start or end > len(chunk_hashes) or chunk_hashes[end - 1] != last or chunk_hashes[start] != first:
+            run = h.run
+        return _run_end(run, chunk_hashes, start)
+
+    def held_run(self, req_id: str, tenant: str, chunk_hashes: Sequence, start: int) -> int | None:
+        """Where the run ``req_id`` pinned by key (``pin``, ``pinned``) ends, when that
+        run is chunks ``start..end-1`` of ``chunk_hashes`` of ``tenant`` with at least
+        half its lease left; else None.
+
+        A pin keeps each of its objects from eviction for its lease (the contract), so
+        that run is still there and a lookup need not ask about it again. What a pin
+        cannot stop (a forced removal, a backend that lost its data) costs the load
+        a recompute, as it would between any lookup and its load."""
+        h = self._held.get(req_id)  # (a dict read: no lock; its run is read once below)
+        if h is None or h.scope is not None or h.expires - self._clock() <= self.lease_s / 2:
             return None
-        return end
+        run = h.run
+        if run is None or run[0] != tenant:
+            return None
+        return _run_end(run, chunk_hashes, start)
 
     def pinning(self) -> threading.RLock:
         """The ledger's lock, for a caller whose backend call takes pins the
@@ -476,3 +490,14 @@ def _shared(units: list, width: int, pos0: int, o: _Holding) -> tuple[int, int] 
         else:
             b = m
     return lo, a
+
+
+def _run_end(run: tuple, chunk_hashes: Sequence, start: int) -> int | None:
+    """Where ``run`` (tenant, start, first hash, last hash, chunks) ends in
+    ``chunk_hashes`` when it begins at ``start`` there; else None. Its last hash is
+    compared (and its first): chained hashes that agree there agree on the whole run."""
+    _, s0, first, last, count = run
+    end = s0 + count
+    if s0 != start or end > len(chunk_hashes) or chunk_hashes[end - 1] != last or chunk_hashes[start] != first:
+        return None
+    return end
