@@ -268,22 +268,26 @@ def test_exists_pin_and_unpin_answer_each_key_of_a_mixed_batch_in_order(open_bac
 
 
 @pytest.mark.parametrize("ttl", [0, 30])
-def test_a_pins_present_answers_fill_the_exists_cache(open_backend, ttl) -> None:
-    # A request's first lookup is a pin alone (PoolLookup): its next lookup a step
-    # later is an exists, which the pin's fresh answers serve without the master.
+def test_a_pin_neither_reads_nor_fills_the_exists_cache_and_drops_what_it_finds_gone(open_backend, ttl) -> None:
+    # The engine asks nothing again about a run it holds pinned (PoolLookup): a pin's
+    # answers are not cached. One that finds a cached key gone drops it from the cache.
     b = open_backend(exists_cache_ttl_s=ttl)
+    other = open_backend(exists_cache_ttl_s=0)
     src = payload(4, 256)
     keys = [f"pinc/{i}" for i in range(3)]
     assert b.put(keys, [[region(src)]] * 3, T) == [Status.OK] * 3
     asked = [*keys, "pinc/absent"]
     hits = b.stats()["exists_cache_hits"]
     assert b.pin(asked, 10.0, T) == [Status.OK] * 3 + [Status.NOT_FOUND]
-    assert b.stats()["exists_cache_hits"] == hits  # a pin never reads the cache
+    assert b.pin(keys, 10.0, T) == [Status.OK] * 3  # (every key present: the other branch)
     assert b.exists(asked, T) == [Status.OK] * 3 + [Status.NOT_FOUND]
-    assert b.stats()["exists_cache_hits"] == hits + (3 if ttl else 0)  # never the absent key
+    assert b.stats()["exists_cache_hits"] == hits  # the pins neither read nor filled it
+    assert b.exists(keys, T) == [Status.OK] * 3
+    assert b.stats()["exists_cache_hits"] == hits + (3 if ttl else 0)  # the exists' own answers
+    # Another client removes one (forced, through its lease): our cache cannot know, until a pin asks.
+    assert other.remove([keys[0]], T) == [Status.OK]
+    assert b.pin(keys, 10.0, T) == [Status.NOT_FOUND, Status.OK, Status.OK]
     hits = b.stats()["exists_cache_hits"]
-    assert b.pin(keys, 10.0, T) == [Status.OK] * 3  # every key present: the cache's other branch
-    assert b.remove([keys[0]], T) == [Status.OK]  # our own removal invalidates
     assert b.exists(keys, T) == [Status.NOT_FOUND, Status.OK, Status.OK]
     assert b.stats()["exists_cache_hits"] == hits + (2 if ttl else 0)
 
