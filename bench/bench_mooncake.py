@@ -32,19 +32,19 @@ tensors do (64-byte aligned); ``--user-offset N`` moves them N bytes past one. U
 them runs slowly on AMD Zen 4: the raw get slower, our layer's share smaller.
 
 Lookups (``--lookup-chunks``, 1024 by default: a 128k-token prompt in 128-token
-chunks): the scheduler's question "how much of this prompt is pooled?" asked four
+chunks): the scheduler's question "how much of this prompt is pooled?" asked six
 ways of a prompt whose chunks are all stored, against the raw client's
 ``batch_is_exist`` of the prompt's keys, prebuilt: the backend's ``exists`` of those
 keys with the exists cache off (``exists``) and with every answer fresh in it
 (``exists/cached``); ``PoolLookup.prefix_hits`` given the chunks' raw hashes as
 vLLM's scheduler has them (``lookup``: keys built, one ``exists``, the first miss);
-and a new request's first lookup with pins on (``lookup/pinned``: a request id each
+a new request's first lookup with pins on (``lookup/pinned``: a request id each
 time, the exists cache off, its pins let go of outside the timing); the same with the
 backend's options as shipped (``lookup/pinned/cache``: the exists cache on at its
-default TTL, holding 32768 other keys, which the pin's answers join for the request's
-next lookups; the prompt's own keys dropped from it outside the timing, as a new
-prompt's are not in it). Interleaved round by round like the transfers; ratios per
-round.
+default TTL, holding 32768 other keys; the prompt's own keys dropped from it outside
+the timing, as a new prompt's are not in it); and, as shipped, a waiting request's
+next lookup (``lookup/waiting``: vLLM asks again each step; the request holds its
+pinned run). Interleaved round by round like the transfers; ratios per round.
 
     .venv/bin/python bench/bench_mooncake.py [--rounds 5] [--batch 32] [--pin-cpu N] [--user-offset N] [--json]
 """
@@ -249,6 +249,24 @@ def _measure_lookup(chunks: int, rounds: int, address: str) -> dict:
                 return statistics.median(out) * 1e6
             return run
 
+        def waiting(pool_lookup: PoolLookup) -> Callable[[], float]:
+            # One request looked up again and again, as vLLM asks each step while it
+            # waits; pinned once before the timing (its lease far beyond the run).
+            pins = pool_lookup.pins
+            assert pins is not None
+            req = f"req-{next(requests)}"
+            assert pool_lookup.prefix_hits(tenant, hashes, req_id=req) == chunks
+
+            def run() -> float:
+                out = []
+                for _ in range(LOOKUP_CALLS):
+                    t0 = time.perf_counter()
+                    hits = pool_lookup.prefix_hits(tenant, hashes, req_id=req)
+                    out.append(time.perf_counter() - t0)
+                    assert hits == chunks and pins.holding(req)
+                return statistics.median(out) * 1e6
+            return run
+
         cases = {
             "raw": timed(lambda: raw.batch_is_exist(keys)),
             "exists": timed(lambda: fresh.exists(keys, TIMEOUT_S)),
@@ -256,6 +274,7 @@ def _measure_lookup(chunks: int, rounds: int, address: str) -> dict:
             "lookup": timed(lambda: lookup.prefix_hits(tenant, hashes)),
             "lookup/pinned": first_pinned(pinning),
             "lookup/pinned/cache": first_pinned(shipped_pinning, lambda: shipped._forget(keys)),
+            "lookup/waiting": waiting(PoolLookup(shipped_guard, kb, TIMEOUT_S, pin_lease_s=60.0)),
         }
         s = interleave(cases, rounds, warmup=1)
         raw.batch_remove(keys, True)
@@ -265,7 +284,8 @@ def _measure_lookup(chunks: int, rounds: int, address: str) -> dict:
         cached.close()
     return {"chunks": chunks, "keys": len(keys), "us": {k: stat(v).as_dict() for k, v in s.items()},
             "ratio": {k: ratios(s[k], s["raw"]).as_dict() for k in ("exists", "exists/cached", "lookup",
-                                                                         "lookup/pinned", "lookup/pinned/cache")}}
+                                                                         "lookup/pinned", "lookup/pinned/cache",
+                                                                         "lookup/waiting")}}
 
 
 def _fmt(d: dict, digits: int = 2) -> str:
@@ -331,8 +351,9 @@ def main(
                   f"\\[min..max] over {rounds} interleaved rounds: raw batch_is_exist {_fmt(us['raw'], 0)}; ours ÷ raw: "
                   f"exists {_fmt(r['exists'])}, exists all cached {_fmt(r['exists/cached'])}, "
                   f"PoolLookup from raw hashes {_fmt(r['lookup'])}, a request's first lookup with pins on "
-                  f"{_fmt(r['lookup/pinned'])}, and with the exists cache on as shipped (the pin's answers "
-                  f"fill it) {_fmt(r['lookup/pinned/cache'])}")
+                  f"{_fmt(r['lookup/pinned'])}, and with the exists cache on as shipped "
+                  f"{_fmt(r['lookup/pinned/cache'])}; a waiting request's next lookup as shipped "
+                  f"{_fmt(r['lookup/waiting'], 3)}")
     con.print(env_line(env0, env_info()))
 
 
