@@ -242,6 +242,10 @@ class PoolLookup:
         from the first; counted in the lookup metrics."""
         m = self.guard.metrics
         m.add(lookups=1, lookup_keys=len(statuses))
+        if statuses.count(Status.OK) == len(statuses):
+            # (the usual answer: ``count`` compares by identity first, in C; the set
+            # below hashes each answer, ~6 of a whole 128k prompt's 9 us here)
+            return len(statuses) // width
         kinds = set(statuses)
         if kinds - _ANSWERS:
             m.add(lookup_errors=1)
