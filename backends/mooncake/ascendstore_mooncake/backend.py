@@ -398,7 +398,7 @@ class MooncakeBackend(Backend):
         connector renews it once half of its own lease is gone. Its answers do
         not go into the exists cache: the engine asks nothing again about a run
         it holds pinned (PoolLookup), and filling the cache with a 128k prompt's
-        1024 answers was 13-17% of a new request's first lookup. What it
+        1024 answers was 12-17% of a new request's first lookup. What it
         finds absent is dropped from the cache."""
         if self._guard.closed:
             return [Status.UNAVAILABLE] * len(keys)
