@@ -134,6 +134,54 @@ def test_a_waiting_request_is_not_asked_about_the_run_it_holds(pool):
     assert lk.pins.holders() == 0 and pool.pinned() == 0
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_lookups_of_waiting_requests_answer_the_true_run_while_nothing_is_removed(pool, seed):
+    # Random steps: chunks of two prompts sharing a prefix arrive, requests are looked
+    # up again from random starts (tenants, keeps, releases, a clock that runs past
+    # half and past all of the lease). A waiting request's run is not asked about
+    # again, yet with nothing removed every lookup answers exactly the run present
+    # from its start, and pins exactly that run for the request.
+    lk, kb, calls = _lookup(pool)
+    now = [0.0]
+    lk.pins._clock = lambda: now[0]
+    rng = random.Random(seed)
+    prompts = [[f"s{seed}-{i}" for i in range(8)], [f"s{seed}-{i}" for i in range(3)] + [f"s{seed}-b{i}" for i in range(3, 8)]]
+    tenants = ["", "t1"]
+    stored: set[tuple[str, str]] = set()
+    reqs = ["a", "b", "c"]
+    for _ in range(120):
+        op = rng.random()
+        if op < 0.3:
+            tenant, h = rng.choice(tenants), rng.choice(rng.choice(prompts))
+            if (tenant, h) not in stored:
+                _put(pool, kb.lookup_keys_flat(tenant, [h])[0])
+                stored.add((tenant, h))
+        elif op < 0.8:
+            req, tenant, hashes = rng.choice(reqs), rng.choice(tenants), rng.choice(prompts)
+            start = rng.choice([0, 0, 0, rng.randrange(len(hashes) + 1)])
+            calls.clear()
+            hits = lk.prefix_hits(tenant, hashes, start, req)
+            true = start
+            while true < len(hashes) and (tenant, hashes[true]) in stored:
+                true += 1
+            assert hits == true, (calls, start)
+            if hits > start:
+                assert lk.pins._held[req].units == kb.lookup_keys_flat(tenant, hashes[start:hits])[0]
+            else:
+                assert req not in lk.pins._held
+        elif op < 0.9:
+            req = rng.choice(reqs)
+            if rng.random() < 0.5:
+                lk.pins.keep(req, rng.randint(0, 3))
+            else:
+                lk.pins.release(req)
+        else:
+            now[0] += rng.choice([0.1, lk.pins.lease_s / 2, lk.pins.lease_s * 1.1])
+        assert pool.pinned() == lk.pins.held_keys()
+    lk.pins.release(reqs)
+    assert pool.pinned() == 0
+
+
 def test_a_degraded_backend_lets_a_waiting_request_go(pool):
     lk, kb, calls = _lookup(pool)
     hashes = ["g0", "g1"]

@@ -448,3 +448,39 @@ def test_every_lookup_answers_exactly_the_run_present(big_pool, seed):
     assert shortcut > 10, "the held-run path was hardly taken: the test proves little"
     lk.pins.release(lk.pins.requests())
     assert pool.pinned() == 0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_pool_pins_exactly_what_the_ledger_holds_as_leases_run_out(big_pool, seed):
+    """Random steps with nothing removed: puts, lookups of waiting requests from
+    various chunks, keeps, releases, evicting pressure, and a clock that runs the
+    ledger's leases out. After every step the pool pins exactly the chunks the
+    ledger holds: a holding that ran out, let go of when another request's scan has
+    just pinned the same chunks, must not unpin them under it."""
+    rng = random.Random(200 + seed)
+    pool = big_pool
+    lk, kb = _lookup(pool, lease_s=30.0)
+    now = [0.0]
+    lk.pins._clock = lambda: now[0]
+    prompts = [[f"q{p}-{i}" for i in range(10)] for p in range(2)]
+    for _ in range(150):
+        op = rng.random()
+        chain = prompts[rng.randrange(2)]
+        if op < 0.4:
+            rid, start = f"r{rng.randrange(4)}", rng.choice([0, 0, 0, rng.randrange(10)])
+            lk.prefix_hits("", chain, start, rid)
+        elif op < 0.6:
+            lo = rng.randrange(10)
+            _put(pool, _keys(kb, chain[lo : lo + rng.randint(1, 4)]))
+        elif op < 0.65:
+            _pressure(pool, 24)
+        elif op < 0.75:
+            lk.pins.keep(f"r{rng.randrange(4)}", rng.randint(0, 3))
+        elif op < 0.85:
+            lk.pins.release(f"r{rng.randrange(4)}")
+        else:
+            now[0] += rng.choice([0.5, 16.0, 40.0])
+        assert pool.pinned() == lk.pins.held_keys()
+    lk.pins.release(lk.pins.requests())
+    assert pool.pinned() == 0
+

@@ -214,20 +214,19 @@ class LookupPins:
         tenant, start = at if at is not None else (None, 0)
         with self._lock:
             now = self._clock()
-            if now >= self._next_expiry:  # (expire()'s own test, without its call: a lookup's cost)
-                self.expire()
             old = self._held.get(req_id)
             if (old is not None and old.scope is None and old.tenant == tenant and old.start == start
                     and old.units == kept and not extra):
                 # A waiting request looked up again, same chunks: renew, nothing to recount.
                 old.expires = now + self.lease_s
                 old.run = run
-                return
-            new = _Holding(kept, width, now + self.lease_s, run, None, start, tenant=tenant) if kept else None
-            drop = self._replace(req_id, new)
-            if extra:
-                self._let_go_extra(keys, width, tenant, start, extra, drop)
-            self._unpin(drop)
+            else:
+                new = _Holding(kept, width, now + self.lease_s, run, None, start, tenant=tenant) if kept else None
+                drop = self._replace(req_id, new)
+                if extra:
+                    self._let_go_extra(keys, width, tenant, start, extra, drop)
+                self._unpin(drop)
+            self._expire_after(now)
 
     def took(self, req_id: str, tenant: str, hashes: Sequence, run: tuple, breaks: int = -1) -> None:
         """The native scan pinned ``hashes`` (the chunks it counted, of ``tenant``,
@@ -239,22 +238,30 @@ class LookupPins:
         128k prompt copies 1024 hashes once, not twice)."""
         with self._lock:
             now = self._clock()
-            if now >= self._next_expiry:  # (expire()'s own test, without its call: a lookup's cost)
-                self.expire()
             old = self._held.get(req_id)
             expires = now + self.lease_s
             if old is not None and old.scope == tenant and old.run == run:
                 old.expires = expires  # the same run, pinned again
                 old.breaks = breaks
-                return
-            units = hashes if type(hashes) is list else list(hashes)
-            new = _Holding(units, 1, expires, run, tenant, run[1], breaks)
-            if old is None:  # a request's first pins: nothing to let go of
-                self._add(req_id, new)
-                if expires < self._next_expiry:
-                    self._next_expiry = expires
-                return
-            self._unpin(self._replace(req_id, new))
+            else:
+                units = hashes if type(hashes) is list else list(hashes)
+                new = _Holding(units, 1, expires, run, tenant, run[1], breaks)
+                if old is None:  # a request's first pins: nothing to let go of
+                    self._add(req_id, new)
+                    if expires < self._next_expiry:
+                        self._next_expiry = expires
+                else:
+                    self._unpin(self._replace(req_id, new))
+            self._expire_after(now)
+
+    def _expire_after(self, now: float) -> None:
+        """Holdings whose lease ran out, let go of once a new pin is in the ledger
+        (``pinned``, ``took``): the backend call before already pinned the new
+        holding's objects again, and a holding that ran out unpins only what no
+        holding in the ledger has. Let go of before it, they were unpinned under
+        the new holding (the pool then held fewer pins than the ledger)."""
+        if now >= self._next_expiry:  # (expire()'s own test, without its call: a lookup's cost)
+            self.expire()
 
     def _replace(self, req_id: str, new: _Holding | None) -> dict[Scope, list]:
         """Put ``new`` in ``req_id``'s place; returns what its old holding lets go of."""
