@@ -44,12 +44,12 @@ def _put(be: LocalBackend, keys: list[str]) -> None:
     assert be.put(keys, [[Region(buf.ctypes.data, OBJ)]] * len(keys), T) == [Status.OK] * len(keys)
 
 
-def _lookup(pool: LocalBackend, **faults) -> tuple[PoolLookup, KeyBuilder, list]:
-    """A PoolLookup over the pool without its scan, and a log of the guard's calls
-    ((op, keys asked) in order)."""
+def _lookup(pool: LocalBackend, ranks: int = 1, **faults) -> tuple[PoolLookup, KeyBuilder, list]:
+    """A PoolLookup over the pool without its scan (``ranks`` keys a chunk), and a log
+    of the guard's calls ((op, keys asked) in order)."""
     wrapped = FaultyBackend(pool, FaultyOptions(**faults), BackendContext())
     guard = BackendGuard(wrapped, T)
-    kb = KeyBuilder("fp", RankPart())
+    kb = KeyBuilder("fp", RankPart(), all_ranks=tuple(RankPart(r) for r in range(ranks)))
     lk = PoolLookup(guard, kb, T, pin_lease_s=30.0)
     assert lk._scan is None and lk.pins is not None and not lk.pins.by_run
     calls: list[tuple[str, int]] = []
@@ -134,35 +134,39 @@ def test_a_waiting_request_is_not_asked_about_the_run_it_holds(pool):
     assert lk.pins.holders() == 0 and pool.pinned() == 0
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_lookups_of_waiting_requests_answer_the_true_run_while_nothing_is_removed(pool, seed):
-    # Random steps: chunks of two prompts sharing a prefix arrive, requests are looked
-    # up again from random starts (tenants, keeps, releases, a clock that runs past
-    # half and past all of the lease). A waiting request's run is not asked about
-    # again, yet with nothing removed every lookup answers exactly the run present
-    # from its start, and pins exactly that run for the request.
-    lk, kb, calls = _lookup(pool)
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("seed", range(20))
+def test_lookups_of_waiting_requests_answer_the_true_run_while_nothing_is_removed(pool, seed, ranks):
+    # Random steps: chunks of two prompts sharing a prefix arrive (with two ranks, a
+    # rank's object at a time: a chunk counts once all of its are in), requests are
+    # looked up again from random starts (tenants, keeps, releases, a clock that runs
+    # past half and past all of the lease). A waiting request's run is not asked
+    # about again, yet with nothing removed every lookup answers exactly the run
+    # present from its start, and pins exactly that run for the request.
+    lk, kb, calls = _lookup(pool, ranks)
     now = [0.0]
     lk.pins._clock = lambda: now[0]
-    rng = random.Random(seed)
+    rng = random.Random(seed * 8 + ranks)
     prompts = [[f"s{seed}-{i}" for i in range(8)], [f"s{seed}-{i}" for i in range(3)] + [f"s{seed}-b{i}" for i in range(3, 8)]]
     tenants = ["", "t1"]
-    stored: set[tuple[str, str]] = set()
+    stored: set[str] = set()
     reqs = ["a", "b", "c"]
     for _ in range(120):
         op = rng.random()
         if op < 0.3:
             tenant, h = rng.choice(tenants), rng.choice(rng.choice(prompts))
-            if (tenant, h) not in stored:
-                _put(pool, kb.lookup_keys_flat(tenant, [h])[0])
-                stored.add((tenant, h))
+            objects = kb.lookup_keys_flat(tenant, [h])[0]
+            new = [k for k in objects[: rng.randint(1, ranks)] if k not in stored]
+            if new:
+                _put(pool, new)
+                stored.update(new)
         elif op < 0.8:
             req, tenant, hashes = rng.choice(reqs), rng.choice(tenants), rng.choice(prompts)
             start = rng.choice([0, 0, 0, rng.randrange(len(hashes) + 1)])
             calls.clear()
             hits = lk.prefix_hits(tenant, hashes, start, req)
             true = start
-            while true < len(hashes) and (tenant, hashes[true]) in stored:
+            while true < len(hashes) and set(kb.lookup_keys_flat(tenant, [hashes[true]])[0]) <= stored:
                 true += 1
             assert hits == true, (calls, start)
             if hits > start:
