@@ -111,14 +111,19 @@ class PoolLookup:
             # (under the ledger's lock: no release between the answer and the count)
             with pins.pinning():
                 end = pins.held_run(req_id, tenant, chunk_hashes, start)
-                if end is not None:
-                    if end == len(chunk_hashes):
-                        self.guard.metrics.add(lookups=1)
-                        return end
-                    if self._prefix_hits(tenant, chunk_hashes, end) == end:
-                        return end
-                    # more is present after the run now: pin the longer one (below)
+                if end is not None and self._held_answers(tenant, chunk_hashes, end):
+                    return end
+                # (else: not its run, or more is present after it: pin again, below)
         return self._pinning_exists(tenant, chunk_hashes, start, req_id)
+
+    def _held_answers(self, tenant: str, chunk_hashes: Sequence[str] | Sequence[bytes], end: int) -> bool:
+        """The run a request holds, still whole, ends at ``end``: it answers the lookup
+        when it is the whole prompt (no call) or nothing more is present after it (the
+        chunks after it asked about)."""
+        if end == len(chunk_hashes):
+            self.guard.metrics.add(lookups=1)
+            return True
+        return self._prefix_hits(tenant, chunk_hashes, end) == end
 
     def _pinning_exists(self, tenant: str, chunk_hashes: Sequence[str] | Sequence[bytes], start: int,
                         req_id: str) -> int:
@@ -165,13 +170,9 @@ class PoolLookup:
             # 1024. (Under the ledger's lock: no release between the answer and its pins.)
             with pins.pinning():
                 held = pins.held_prefix(req_id, tenant, chunk_hashes, start, breaks)
-                if held is not None:
-                    if held == len(chunk_hashes):
-                        self.guard.metrics.add(lookups=1)
-                        return held
-                    if self._prefix_hits(tenant, chunk_hashes, held) == held:
-                        return held
-                    # more is present now: pin the longer run (below)
+                if held is not None and self._held_answers(tenant, chunk_hashes, held):
+                    return held
+                # (held and more present now: pin the longer run, below)
         if holding and held is None and pins.fresh(req_id):
             hits = self._prefix_hits(tenant, chunk_hashes, start)
             if hits <= start:
